@@ -1,0 +1,28 @@
+"""Shared fixtures: the embedded target (prepared once per cache) and the MT-Bench evaluation set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+MT_BENCH = SHARED_DATA / "mt_bench_questions.jsonl"
+
+
+@pytest.fixture(scope="session")
+def target_dir() -> Path:
+    from vllm_redrafter.target import prepare_target
+
+    return prepare_target()
+
+
+@pytest.fixture(scope="session")
+def mt_bench_questions() -> list[str]:
+    """First turns of the 80 MT-Bench questions. A missing file fails the test: never skipped."""
+    assert MT_BENCH.is_file(), f"the evaluation set is missing: {MT_BENCH} (../shared/data beside the repo)"
+    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    assert len(rows) == 80, f"{MT_BENCH} holds {len(rows)} questions, expected 80"
+    return [row["turns"][0] for row in rows]
