@@ -1,0 +1,87 @@
+"""Shared by the training benchmarks: tokens/step of a drafter with the reference speculative loop.
+
+``run_reference(target_dir, drafter_dir, prompts, beam_width, beam_length, max_new_tokens)``
+runs vllm_redrafter.reference_loop (the target alone decides every token, greedy) on chat
+prompts and returns tokens per target forward (accepted + bonus), per-position acceptance, the
+drafting time per step (beam search only) and the share of the target's response tokens inside
+the drafter's draft vocabulary.
+
+The evaluation prompts are the MT-Bench first turns (../shared/data): evaluation only, never
+training data, never used to choose K or any setting.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from vllm_redrafter.drafter import RecurrentDrafter
+from vllm_redrafter.reference_loop import DrafterProposer, chat_prompt_ids, speculative_generate
+
+MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
+
+
+def mt_bench_prompts(limit: int | None = None, path: Path = MT_BENCH) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row["turns"][0] for row in rows][:limit]
+
+
+class TimedProposer(DrafterProposer):
+    """DrafterProposer that records the wall time of every beam search."""
+
+    def __init__(self, drafter, beam_width: int, beam_length: int) -> None:
+        super().__init__(drafter, beam_width, beam_length)
+        self.seconds: list[float] = []
+
+    def __call__(self, h, g0, generated):
+        if h.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        beams = super().__call__(h, g0, generated)
+        if h.is_cuda:
+            torch.cuda.synchronize()
+        self.seconds.append(time.perf_counter() - start)
+        return beams
+
+
+def load_target(target_dir: str | Path, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
+    return model, AutoTokenizer.from_pretrained(target_dir)
+
+
+@torch.no_grad()
+def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list[str],
+                  beam_width: int, beam_length: int, max_new_tokens: int,
+                  model_and_tokenizer=None) -> dict:
+    """tokens/step etc. of the drafter in ``drafter_dir`` over ``prompts`` (see module doc)."""
+    model, tokenizer = model_and_tokenizer or load_target(target_dir)
+    drafter = RecurrentDrafter.from_pretrained(drafter_dir, model.get_input_embeddings(),
+                                               device=model.device, dtype=torch.float32).eval()
+    proposer = TimedProposer(drafter, beam_width, beam_length)
+    steps, accepted, hist = 0, 0, [0] * beam_length
+    response_tokens: list[int] = []
+    for question in prompts:
+        result = speculative_generate(model, chat_prompt_ids(tokenizer, question), proposer,
+                                      max_new_tokens, tokenizer.eos_token_id)
+        response_tokens += result.tokens
+        for step in result.steps:
+            steps += 1
+            accepted += step.num_accepted
+            hist[step.num_accepted] += 1
+    draft_ids = (drafter.draft_vocab_ids if drafter.config.draft_vocab_size
+                 else torch.arange(drafter.config.vocab_size)).cpu()
+    tokens = torch.tensor(response_tokens)
+    return {
+        "beam_width": beam_width, "beam_length": beam_length, "prompts": len(prompts),
+        "steps": steps, "tokens_per_step": (accepted + steps) / max(steps, 1),
+        # share of steps that accepted at least k draft tokens, k = 1..L-1
+        "acceptance_at_least": [sum(hist[k:]) / max(steps, 1) for k in range(1, beam_length)],
+        "draft_ms_per_step": 1000 * sum(proposer.seconds) / max(len(proposer.seconds), 1),
+        "response_tokens_in_draft_vocab": float(torch.isin(tokens, draft_ids).double().mean()),
+        "draft_vocab_size": int(draft_ids.numel()),
+    }

@@ -1,0 +1,356 @@
+"""The training pipeline (vllm_redrafter/train): data formats, labels, training, resume, errors.
+
+Most tests replace vLLM by a stub generator whose "responses" follow a learnable rule, so the
+pipeline's mechanics (positions, labels, hidden states, loss, checkpoints) run in seconds; one
+slow test builds the quick recipe's data with vLLM itself (one engine start) and trains on it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_redrafter.drafter import DrafterConfig, DrafterMismatchError, RecurrentDrafter
+from vllm_redrafter.train.data import (DatasetError, Example, read_dataset, render_chat,
+                                       tokenize_example)
+from vllm_redrafter.train.distill import DataSpec, build_data
+from vllm_redrafter.train.generate import GenRequest
+from vllm_redrafter.train.pipeline import OutputDirError, run_training
+from vllm_redrafter.train.recipes import get_recipe, with_overrides
+from vllm_redrafter.train.vocab import coverage, select_draft_vocab, target_to_draft_map
+
+T = 5
+RESPONSE = 24
+BASE = 1000  # stub responses count up from BASE + (prompt length % 40): "next = previous + 1"
+
+
+def stub_generate(requests: list[GenRequest], name: str) -> list[list[int]]:
+    """A deterministic stand-in for vLLM: a counting sequence, learnable from g0 alone."""
+    out = []
+    for r in requests:
+        start = BASE + len(r.prompt_token_ids) % 40
+        out.append([start + i for i in range(r.max_tokens)])
+    return out
+
+
+def never_generate(requests, name):
+    raise AssertionError("generation must not start for bad input")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("ds") / "prompts.jsonl"
+    questions = ["Say hi.", "Name a colour.", "What is two plus two?", "Write one word.",
+                 "Count to three.", "Name a fruit, please.", "Tell me a fact.", "Give a number."]
+    path.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
+    return path
+
+
+def small_recipe(dataset: Path, **train):
+    recipe = get_recipe("quick")
+    return with_overrides(
+        recipe,
+        data=dict(dataset=str(dataset), response_tokens=RESPONSE, max_len=128, heldout_fraction=0.25),
+        drafter=dict(draft_vocab_size=256),
+        train={"batch_size": 32, "lr": 3e-3, "warmup_steps": 2, **train},
+    )
+
+
+@pytest.fixture(scope="module")
+def shared_data_dir(tmp_path_factory, prompts_file, target_dir) -> Path:
+    data_dir = tmp_path_factory.mktemp("data")
+    build_data(small_recipe(prompts_file).data, target_dir, data_dir, generator=stub_generate)
+    return data_dir
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, prompts_file, target_dir, shared_data_dir):
+    out = tmp_path_factory.mktemp("run") / "drafter"
+    record = run_training(small_recipe(prompts_file, max_steps=30, save_every=10), target_dir, out,
+                          data_dir=shared_data_dir, generator=never_generate)
+    return out, record
+
+
+# -- data formats ----------------------------------------------------------------------------------
+
+
+def test_reads_every_format(tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+        {"prompt": "a question"}, {"text": "some text"}, {"input_ids": [1, 2, 3]},
+    ]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    kinds = [ex.kind for ex in read_dataset(jsonl)]
+    assert kinds == ["chat", "chat", "chat", "text", "tokens"]
+    sharegpt = read_dataset(jsonl)[1]
+    assert sharegpt.messages == ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"})
+    as_json = tmp_path / "d.json"
+    as_json.write_text(json.dumps(rows))
+    assert [ex.kind for ex in read_dataset(as_json)] == kinds
+    text = tmp_path / "d.txt"
+    text.write_text("First paragraph.\n\nSecond one.\n")
+    assert [ex.text for ex in read_dataset(text)] == ["First paragraph.\n\nSecond one."]
+
+
+def test_chat_training_positions_are_the_assistant_tokens(tokenizer):
+    ex = Example("x:1", messages=({"role": "user", "content": "hi"},
+                                  {"role": "assistant", "content": "hello there"}))
+    tok = tokenize_example(ex, tokenizer, tokenizer.vocab_size, max_len=512)
+    next_tokens = [tok.input_ids[t + 1] for t, m in enumerate(tok.train_mask) if m]
+    assert tokenizer.decode(next_tokens).startswith("hello there<|im_end|>")
+    prompt_len = len(render_chat(tokenizer, ex.messages[:1], "x", add_generation_prompt=True))
+    assert tok.train_mask.index(True) == prompt_len - 1  # h at the generation prompt's end
+
+
+# -- labels ------------------------------------------------------------------------------------------
+
+
+def test_self_labels_are_the_responses_next_tokens(shared_data_dir):
+    from vllm_redrafter.train.distill import load_data
+
+    data = load_data(shared_data_dir)
+    # stub responses count up by one: g0 = x, labels = x+1 .. x+T, -1 past the response's end
+    first = data.labels[:, 0]
+    assert torch.equal(first[first >= 0], data.g0[first >= 0] + 1)
+    valid = data.labels >= 0
+    steps = data.labels[:, 1:] - data.labels[:, :-1]
+    assert bool((steps[valid[:, 1:]] == 1).all())
+    assert data.num_positions == 8 * RESPONSE  # every response position
+    assert int(valid.sum()) == 8 * sum(min(T, RESPONSE - 1 - j) for j in range(RESPONSE))
+    assert 0 < int(data.heldout.sum()) < data.num_positions
+    assert data.h.shape == (data.num_positions, 576)
+
+
+def test_distill_and_ground_truth_labels(tmp_path, target_dir, tokenizer):
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"input_ids": list(range(300, 320))}) + "\n"
+                    + json.dumps({"input_ids": list(range(500, 512))}) + "\n")
+    seen: list[GenRequest] = []
+
+    def continuation(requests, name):
+        seen.extend(requests)
+        return [[r.prompt_token_ids[-1] + 7 + i for i in range(r.max_tokens)] for r in requests]
+
+    spec = DataSpec(dataset=str(text), labels="distill", position_stride=3, heldout_fraction=0.0)
+    data = build_data(spec, target_dir, tmp_path / "distill", generator=continuation)
+    assert all(r.max_tokens == T + 1 for r in seen)
+    last = torch.tensor([r.prompt_token_ids[-1] for r in seen])  # the token at t
+    assert torch.equal(data.g0, last + 7)
+    assert torch.equal(data.labels, last[:, None] + 8 + torch.arange(T))
+    assert [len(r.prompt_token_ids) for r in seen[:3]] == [1, 4, 7]  # every 3rd position
+
+    gt = build_data(replace(spec, labels="ground-truth", position_stride=1), target_dir,
+                    tmp_path / "gt", generator=never_generate)
+    assert torch.equal(gt.g0[:3], torch.tensor([301, 302, 303]))
+    assert gt.labels[0].tolist() == [302, 303, 304, 305, 306]
+    assert gt.labels[-1].tolist() == [-1] * T  # position 10 of the second text: 511 is its last token
+
+
+# -- training ----------------------------------------------------------------------------------------
+
+
+def test_loss_falls_and_drafter_loads_in_apple_layout(trained, target_dir):
+    out, record = trained
+    losses = record["train_losses_every_10"]
+    assert record["finished"] and record["steps_done"] == 30
+    assert record["final_train_loss"] < 0.5 * losses[0], losses
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == {"rnn_w.weight", "rnn_u.weight", "rnn_u.bias", "lm_head.0.linear.weight",
+                            "lm_head.0.linear.bias", "lm_head.1.weight", "draft_vocab_ids"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "recurrent_drafting_drafter" and config["draft_vocab_size"] == 256
+    drafter = RecurrentDrafter.from_pretrained(out, target_hidden_size=576, target_vocab_size=49152)
+    assert tensors["lm_head.1.weight"].shape == (256, 2 * 576)
+    # K = 256 holds every label token of the training split (the stub uses few distinct tokens)
+    assert record["draft_vocab_coverage"]["train_labels"] == 1.0
+    assert torch.equal(drafter.draft_vocab_ids, tensors["draft_vocab_ids"])
+    with pytest.raises(DrafterMismatchError, match="576"):
+        RecurrentDrafter.from_pretrained(out, target_hidden_size=1024, target_vocab_size=49152)
+    result = json.loads((out / "eval.json").read_text())
+    assert len(result["top1"]) == T and result["positions"] > 0
+    assert result["top1"][0] > 0.5  # "next = previous + 1" is learnt in 30 steps
+
+
+def test_killed_run_resumes_to_the_same_weights(tmp_path, prompts_file, target_dir, shared_data_dir):
+    recipe = small_recipe(prompts_file, max_steps=12, save_every=4)
+    whole = tmp_path / "whole"
+    run_training(recipe, target_dir, whole, data_dir=shared_data_dir, generator=never_generate)
+    split = tmp_path / "split"
+    first = run_training(recipe, target_dir, split, data_dir=shared_data_dir,
+                         generator=never_generate, stop_after_steps=7)
+    assert not first["finished"] and first["steps_done"] == 7
+    assert not (split / "model.safetensors").exists()
+    second = run_training(recipe, target_dir, split, data_dir=shared_data_dir, generator=never_generate)
+    assert second["finished"] and second["steps_done"] == 12
+    a, b = load_file(str(whole / "model.safetensors")), load_file(str(split / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_resume_refuses_other_settings(tmp_path, prompts_file, target_dir, shared_data_dir):
+    out = tmp_path / "run"
+    run_training(small_recipe(prompts_file, max_steps=6), target_dir, out,
+                 data_dir=shared_data_dir, generator=never_generate, stop_after_steps=2)
+    with pytest.raises(OutputDirError, match="other settings"):
+        run_training(small_recipe(prompts_file, max_steps=6, lr=1e-2), target_dir, out,
+                     data_dir=shared_data_dir, generator=never_generate)
+
+
+# -- nothing trained is overwritten; bad input ---------------------------------------------------------
+
+
+def test_refuses_to_overwrite_a_trained_drafter(trained, prompts_file, target_dir, shared_data_dir):
+    out, _ = trained
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(OutputDirError, match="already holds a trained drafter.*--overwrite"):
+        run_training(small_recipe(prompts_file, max_steps=30, save_every=10), target_dir, out,
+                     data_dir=shared_data_dir, generator=never_generate)
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_overwrite_replaces_a_trained_drafter(tmp_path, prompts_file, target_dir, shared_data_dir):
+    out = tmp_path / "d"
+    run_training(small_recipe(prompts_file, max_steps=2), target_dir, out,
+                 data_dir=shared_data_dir, generator=never_generate)
+    record = run_training(small_recipe(prompts_file, max_steps=3), target_dir, out, overwrite=True,
+                          data_dir=shared_data_dir, generator=never_generate)
+    assert record["steps_done"] == 3
+    assert json.loads((out / "training.json").read_text())["steps_done"] == 3
+
+
+def test_refuses_another_models_drafter(tmp_path, prompts_file, target_dir):
+    out = tmp_path / "other"
+    RecurrentDrafter(DrafterConfig(vocab_size=1000, hidden_size=64, exit_dim=128,
+                                   num_draft_layers=1)).save_pretrained(out)
+    with pytest.raises(DrafterMismatchError, match=r"hidden_size=64.*vocab_size=1000.*hidden_size=576"):
+        run_training(small_recipe(prompts_file), target_dir, out, generator=never_generate)
+    with pytest.raises(OutputDirError, match="not a drafter"):
+        run_training(small_recipe(prompts_file), target_dir, target_dir, generator=never_generate)
+
+
+BAD_DATASETS = {
+    "empty.jsonl": ("", "no examples"),
+    "blank.txt": ("\n\n  \n", "no examples"),
+    "broken.jsonl": ('{"prompt": "ok"}\n{"prompt": \n', r"broken.jsonl:2: not valid JSON"),
+    "nokey.jsonl": ('{"question": "hi"}\n', "exactly one of the keys"),
+    "turns.jsonl": ('{"messages": [{"role": "user", "content": ["a", "list"]}]}\n',
+                    "turn 0 content must be a string.*cannot render"),
+    "role.jsonl": ('{"messages": [{"role": "tool", "content": "x"}]}\n', "role 'tool'"),
+    "sharegpt.jsonl": ('{"conversations": [{"from": "alien", "value": "x"}]}\n', "from 'alien'"),
+    "tokens.jsonl": ('{"input_ids": [5, 49152, 7]}\n', r"outside the target's vocabulary \[0, 49152\)"),
+    "text_for_self.jsonl": ('{"text": "plain"}\n', "labels 'self' need prompts"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_DATASETS))
+def test_bad_dataset_gives_one_clear_error(tmp_path, target_dir, name):
+    content, message = BAD_DATASETS[name]
+    path = tmp_path / name
+    path.write_text(content)
+    labels = "distill" if name == "tokens.jsonl" else "self"
+    recipe = with_overrides(small_recipe(path), data=dict(labels=labels))
+    with pytest.raises(DatasetError, match=message):
+        run_training(recipe, target_dir, tmp_path / "out", generator=never_generate)
+
+
+def test_chat_template_failure_is_a_dataset_error(tokenizer):
+    import copy
+
+    strict = copy.copy(tokenizer)
+    strict.chat_template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with pytest.raises(DatasetError, match="x.jsonl:3: the target's chat template cannot render.*alternate"):
+        render_chat(strict, [{"role": "user", "content": "a"}], "x.jsonl:3", True)
+
+
+def test_data_dir_of_other_settings_or_foreign_files_is_never_wiped(tmp_path, prompts_file,
+                                                                     target_dir, shared_data_dir):
+    other = replace(small_recipe(prompts_file).data, response_tokens=RESPONSE + 1)
+    with pytest.raises(ValueError, match="other settings"):
+        build_data(other, target_dir, shared_data_dir, generator=never_generate)
+    assert (shared_data_dir / "h.f16").is_file()
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not made by vllm-redrafter"):
+        build_data(other, target_dir, foreign, generator=never_generate)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_missing_dataset_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_dataset(tmp_path / "nope.jsonl")
+
+
+# -- the draft vocabulary ------------------------------------------------------------------------------
+
+
+def test_select_draft_vocab_most_frequent_ties_to_smaller_id():
+    freq = torch.tensor([3.0, 7.0, 3.0, 0.0, 7.0, 1.0])
+    assert select_draft_vocab(freq, 3).tolist() == [0, 1, 4]
+    assert select_draft_vocab(freq, 3, always=[3]).tolist() == [1, 3, 4]
+    with pytest.raises(ValueError, match="K=7"):
+        select_draft_vocab(freq, 7)
+    ids = torch.tensor([2, 5])
+    assert target_to_draft_map(ids, 6).tolist() == [-100, -100, 0, -100, -100, 1]
+    assert coverage(ids, torch.tensor([2, 5, 1, -1])) == pytest.approx(2 / 3)
+
+
+def test_head_init_from_the_target_copies_its_lm_head_rows(target_dir):
+    from vllm_redrafter.train.pipeline import build_drafter, load_target_embedding
+    from vllm_redrafter.train.recipes import DrafterSpec
+
+    embedding = load_target_embedding(target_dir)  # tied: the target's LM head
+    ids = torch.tensor([2, 17, 300, 49151])
+    drafter = build_drafter(DrafterSpec(draft_vocab_size=4, head_init="target"), target_dir,
+                            embedding, ids, seed=0)
+    head = drafter.lm_head[-1].weight  # [K, 2H]: h-half first
+    assert torch.equal(head[:, :576], embedding.weight[ids])
+    assert torch.equal(drafter.draft_vocab_ids, ids)
+    again = build_drafter(DrafterSpec(draft_vocab_size=4), target_dir, embedding, ids, seed=0)
+    assert not torch.equal(again.lm_head[-1].weight[:, :576], embedding.weight[ids])
+    assert torch.equal(again.rnn_w.weight, drafter.rnn_w.weight)  # same seed, same init
+
+
+def test_cli_parser_overrides_the_recipe():
+    import argparse
+
+    from vllm_redrafter.train.cli import add_train_parser, recipe_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "--recipe", "quick", "--output-dir", "x",
+                              "--draft-vocab-size", "full", "--lr", "0.01", "--labels", "distill"])
+    recipe = recipe_from_args(args)
+    assert recipe.drafter.draft_vocab_size is None and recipe.train.lr == 0.01
+    assert recipe.data.labels == "distill" and recipe.train.max_steps == get_recipe("quick").train.max_steps
+
+
+# -- with vLLM (one engine start) ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_quick_data_with_vllm_is_the_targets_own_greedy_text(tmp_path, prompts_file, target_dir):
+    """vLLM answers 8 prompts; at every response position the frozen target's argmax of h_t is
+    g0 (vLLM greedy == the transformers target), and a drafter learns something from it."""
+    recipe = with_overrides(small_recipe(prompts_file, max_steps=20),
+                            data=dict(response_tokens=32))
+    record = run_training(recipe, target_dir, tmp_path / "out")
+    assert record["data"]["g0_agreement_first_batches"] >= 0.97
+    losses = record["train_losses_every_10"]
+    assert record["final_train_loss"] < losses[0]
+    RecurrentDrafter.from_pretrained(tmp_path / "out", target_hidden_size=576, target_vocab_size=49152)

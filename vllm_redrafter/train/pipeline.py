@@ -1,0 +1,250 @@
+"""A whole training run: check the output dir, build the data, pick K, train, evaluate, save.
+
+Output directory layout:
+
+    OUTPUT/config.json, model.safetensors   the drafter, Apple layout (+ draft_vocab_ids)
+    OUTPUT/eval.json                        held-out per-position top-1 accuracy
+    OUTPUT/training.json                    the command, recipe, data size, times, figures
+    OUTPUT/work/checkpoint.pt               resumable training state
+    OUTPUT/work/run.json                    what the checkpoint belongs to (target, fingerprint)
+    OUTPUT/work/data/                       the distillation dataset (a cache, reused on resume)
+
+Nothing trained is ever replaced without ``overwrite``; a directory holding another model's
+drafter, or something that is not a drafter, is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm_redrafter.drafter import DrafterConfig, DrafterMismatchError, RecurrentDrafter
+from vllm_redrafter.train.distill import DistillData, build_data, data_fingerprint
+from vllm_redrafter.train.generate import Generator
+from vllm_redrafter.train.recipes import DrafterSpec, Recipe
+from vllm_redrafter.train.trainer import evaluate, format_eval, train_loop, write_json
+from vllm_redrafter.train.vocab import coverage, select_draft_vocab, token_frequencies
+
+WORK, CHECKPOINT, RUN_FILE = "work", "checkpoint.pt", "run.json"
+FINAL_FILES = ("config.json", "model.safetensors", "eval.json", "training.json")
+
+
+class OutputDirError(ValueError):
+    """The output directory holds something a run must not overwrite."""
+
+
+def target_identity(target_dir: Path) -> dict:
+    config = json.loads((target_dir / "config.json").read_text())
+    return {"path": str(target_dir), "hidden_size": config["hidden_size"],
+            "vocab_size": config["vocab_size"],
+            "config_sha256": hashlib.sha256((target_dir / "config.json").read_bytes()).hexdigest()[:16]}
+
+
+def run_fingerprint(recipe: Recipe, target_dir: Path) -> str:
+    """What a checkpoint belongs to: the data, the drafter and the training settings."""
+    train = asdict(recipe.train)
+    for key in ("save_every", "eval_batch_size", "eval_max_positions", "device"):
+        train.pop(key)
+    blob = json.dumps({"data": data_fingerprint(recipe.data, target_dir),
+                       "drafter": asdict(recipe.drafter), "train": train}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def check_output_dir(output_dir: Path, identity: dict, fingerprint: str, overwrite: bool) -> None:
+    """Refuse to clobber a trained drafter (without overwrite), another model's drafter, or a
+    directory that holds something else; with overwrite, clear the previous run's files."""
+    config_file = output_dir / "config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise OutputDirError(f"{config_file} exists and is not a drafter config ({err}); "
+                                 "choose another --output-dir") from err
+        if config.get("model_type") != DrafterConfig.model_type:
+            raise OutputDirError(
+                f"{output_dir} holds a {config.get('model_type', 'non-drafter')!r} model, not a "
+                "drafter (is it the target's directory?); choose another --output-dir")
+        if not overwrite:
+            _refuse_existing_drafter(output_dir, config, identity)
+    run_file = output_dir / WORK / RUN_FILE
+    if run_file.is_file() and (output_dir / WORK / CHECKPOINT).is_file() and not overwrite:
+        run = json.loads(run_file.read_text())
+        if run["target"]["config_sha256"] != identity["config_sha256"]:
+            raise DrafterMismatchError(
+                f"{output_dir} holds an unfinished run for another target ({run['target']['path']}, "
+                f"hidden_size={run['target']['hidden_size']}, vocab_size={run['target']['vocab_size']}); "
+                f"this target is {identity['path']} (hidden_size={identity['hidden_size']}, "
+                f"vocab_size={identity['vocab_size']}). Pass --overwrite to start over")
+        if run["fingerprint"] != fingerprint:
+            raise OutputDirError(f"{output_dir} holds an unfinished run with other settings; "
+                                 "rerun with the same settings to resume it, or pass --overwrite")
+    if overwrite:
+        for name in FINAL_FILES:
+            (output_dir / name).unlink(missing_ok=True)
+        for name in (CHECKPOINT, RUN_FILE):
+            (output_dir / WORK / name).unlink(missing_ok=True)
+    (output_dir / WORK).mkdir(parents=True, exist_ok=True)
+    write_json(run_file, {"target": identity, "fingerprint": fingerprint})
+
+
+def _refuse_existing_drafter(output_dir: Path, config: dict, identity: dict) -> None:
+    record_file = output_dir / "training.json"
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    other_sha = record.get("target", {}).get("config_sha256")
+    dims = (config.get("hidden_size"), config.get("vocab_size"))
+    if dims != (identity["hidden_size"], identity["vocab_size"]) or (
+            other_sha is not None and other_sha != identity["config_sha256"]):
+        raise DrafterMismatchError(
+            f"{output_dir} holds a drafter for a different model (hidden_size={dims[0]}, "
+            f"vocab_size={dims[1]}, target {record.get('target', {}).get('path', 'unknown')}); this "
+            f"target is {identity['path']} (hidden_size={identity['hidden_size']}, vocab_size="
+            f"{identity['vocab_size']}). Choose another --output-dir, or pass --overwrite")
+    raise OutputDirError(f"{output_dir} already holds a trained drafter; pass --overwrite to "
+                         "replace it, or choose another --output-dir")
+
+
+# -- the drafter -----------------------------------------------------------------------------------
+
+
+def load_target_weight(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor | None:
+    """One tensor of the target's safetensors checkpoint (sharded or not), without the rest."""
+    from safetensors import safe_open
+
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: target_dir / weight_map[name] for name in names if name in weight_map}
+    else:
+        files = {name: target_dir / "model.safetensors" for name in names}
+    for name, file in files.items():
+        if not file.is_file():
+            continue
+        with safe_open(str(file), framework="pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    return None
+
+
+def load_target_embedding(target_dir: Path) -> nn.Embedding:
+    """The target's input embedding [V, H], frozen (float32)."""
+    weight = load_target_weight(target_dir, ("model.embed_tokens.weight", "embed_tokens.weight"))
+    if weight is None:  # not a Llama-style checkpoint: ask transformers
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+        weight = model.get_input_embeddings().weight.detach()
+    embedding = nn.Embedding.from_pretrained(weight.float(), freeze=True)
+    return embedding
+
+
+def build_drafter(spec: DrafterSpec, target_dir: Path, embedding: nn.Embedding,
+                  draft_ids: torch.Tensor | None, seed: int) -> RecurrentDrafter:
+    """A fresh drafter; with head_init='target' the head's h-half is the target's LM head rows."""
+    vocab, hidden = embedding.num_embeddings, embedding.embedding_dim
+    config = DrafterConfig(vocab_size=vocab, hidden_size=hidden, exit_dim=spec.exit_dim or 2 * hidden,
+                           num_draft_layers=spec.num_draft_layers, rnn=spec.rnn,
+                           draft_vocab_size=None if draft_ids is None else int(draft_ids.numel()))
+    torch.manual_seed(seed)
+    drafter = RecurrentDrafter(config, embedding)
+    if draft_ids is not None:
+        drafter.draft_vocab_ids.copy_(draft_ids)
+    if spec.head_init == "target" and not config.uses_input_proj:
+        lm_head = load_target_weight(target_dir, ("lm_head.weight",))
+        lm_head = embedding.weight if lm_head is None else lm_head.float()  # tied embeddings
+        rows = lm_head if draft_ids is None else lm_head[draft_ids]  # [K, H]
+        with torch.no_grad():
+            drafter.lm_head[-1].weight[:, :hidden].copy_(rows)
+    return drafter
+
+
+def choose_draft_vocab(data: DistillData, spec: DrafterSpec, eos_token_id: int | None) -> torch.Tensor | None:
+    if spec.draft_vocab_size is None:
+        return None
+    train = ~data.heldout
+    freq = token_frequencies(data.labels[train], data.token_counts, spec.vocab_text_weight)
+    always = [eos_token_id] if eos_token_id is not None else None
+    return select_draft_vocab(freq, spec.draft_vocab_size, always)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path, *,
+                 overwrite: bool = False, stop_after_steps: int | None = None,
+                 data_dir: str | Path | None = None, generator: Generator | None = None) -> dict:
+    """Train a drafter as ``recipe`` says; returns the training record (also written to JSON).
+
+    ``data_dir`` shares a distillation dataset between runs (default: OUTPUT/work/data).
+    ``stop_after_steps`` stops after that many steps with a checkpoint (a "killed" run); the same
+    call without it resumes and finishes.
+    """
+    from transformers import AutoTokenizer
+
+    target_dir, output_dir = Path(target_dir), Path(output_dir)
+    if not (target_dir / "config.json").is_file():
+        raise FileNotFoundError(f"target model directory {target_dir} has no config.json")
+    identity = target_identity(target_dir)
+    fingerprint = run_fingerprint(recipe, target_dir)
+    check_output_dir(output_dir, identity, fingerprint, overwrite)  # before any slow work
+    started = time.time()
+    train = recipe.train
+    device = train.resolved_device()
+    data = build_data(recipe.data, target_dir, data_dir or output_dir / WORK / "data",
+                      generator=generator, device=str(device), rebuild_stale=data_dir is None)
+    data_seconds = time.time() - started
+    eos = AutoTokenizer.from_pretrained(target_dir).eos_token_id
+    draft_ids = choose_draft_vocab(data, recipe.drafter, eos)
+    embedding = load_target_embedding(target_dir).to(device)
+    drafter = build_drafter(recipe.drafter, target_dir, embedding, draft_ids, train.seed)
+    state = train_loop(drafter, data, train, output_dir / WORK / CHECKPOINT, fingerprint,
+                       stop_after_steps)
+    record = {"recipe": recipe.name, "command": sys.argv, "target": identity,
+              "fingerprint": fingerprint, "steps_done": state.step,
+              "train_seconds_this_session": round(state.seconds, 1),
+              "data_seconds_this_session": round(data_seconds, 1)}
+    heldout_idx = torch.nonzero(data.heldout).squeeze(1)
+    if stop_after_steps is not None and state.step < _total(recipe, data):
+        print(f"stopped after {state.step} steps; rerun the same command to resume")
+        return {**record, "finished": False}
+    result = evaluate(drafter, data, heldout_idx, train, device) if heldout_idx.numel() else None
+    if result is not None:
+        print(format_eval(result))
+        write_json(output_dir / "eval.json", result)
+    save_drafter(drafter, output_dir, recipe.save_dtype)
+    record.update({
+        "finished": True, "data": data.meta, "drafter": asdict(recipe.drafter),
+        "train": asdict(train), "save_dtype": recipe.save_dtype,
+        "draft_vocab_coverage": _coverage(draft_ids, data),
+        "final_train_loss": sum(state.losses[-10:]) / max(len(state.losses[-10:]), 1),
+        "train_losses_every_10": state.losses[::10], "eval": result,
+    })
+    write_json(output_dir / "training.json", record)
+    return record
+
+
+def _total(recipe: Recipe, data: DistillData) -> int:
+    from vllm_redrafter.train.trainer import total_steps
+
+    return total_steps(recipe.train, int((~data.heldout).sum()))
+
+
+def _coverage(draft_ids: torch.Tensor | None, data: DistillData) -> dict | None:
+    if draft_ids is None:
+        return None
+    return {"train_labels": coverage(draft_ids, data.labels[~data.heldout]),
+            "heldout_labels": coverage(draft_ids, data.labels[data.heldout])}
+
+
+def save_drafter(drafter: RecurrentDrafter, output_dir: Path, dtype_name: str) -> None:
+    """The final drafter in the Apple layout, in ``dtype_name`` (the embedding is not saved)."""
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype_name]
+    copy = RecurrentDrafter(drafter.config)
+    copy.load_state_dict({k: v.detach().cpu() for k, v in drafter.state_dict().items()})
+    copy.to(dtype).save_pretrained(output_dir)
