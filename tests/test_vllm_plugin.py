@@ -1,0 +1,486 @@
+"""ReDrafter inside vLLM 0.32.0 (CPU, the embedded SmolLM2 target): output, hidden state, metrics.
+
+Engine starts are the cost here, so there are few: "vLLM alone" (plugin NOT loaded) and plain
+vLLM with the plugin loaded each run once in a subprocess; one redrafter engine
+runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach its proposer's
+debug hooks (``trace``, ``beam_source``, the drafter); the server test starts ``vllm-redrafter
+serve`` as a user types it.
+
+The drafter is ``vllm_redrafter/default_drafter`` when the package ships one, else a tiny random
+drafter: a random drafter is never accepted, so acceptance is exercised with a teacher-forced
+stand-in that knows the target's continuation (from the "vLLM alone" run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DRAFTER = REPO / "vllm_redrafter" / "default_drafter"
+NUM_PROMPTS, MAX_TOKENS = 20, 64
+VOCAB, HIDDEN = 49152, 576
+
+
+def engine_kwargs(target_dir: Path) -> dict:
+    """The same engine for every run: float32 (fast on CPUs without bf16), eager, small KV."""
+    return dict(model=str(target_dir), dtype="float32", enforce_eager=True, max_model_len=1024,
+                kv_cache_memory_bytes=512 << 20, seed=0)
+
+
+GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory) -> Path:
+    if (DEFAULT_DRAFTER / "config.json").is_file():
+        return DEFAULT_DRAFTER
+    torch.manual_seed(0)
+    config = DrafterConfig(vocab_size=VOCAB, hidden_size=HIDDEN, exit_dim=2 * HIDDEN,
+                           num_draft_layers=1, draft_vocab_size=1024)
+    drafter = RecurrentDrafter(config)
+    drafter.draft_vocab_ids = torch.randperm(VOCAB)[:1024]
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    path = tmp_path_factory.mktemp("drafter")
+    drafter.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(target_dir, mt_bench_questions) -> list[list[int]]:
+    """The first NUM_PROMPTS MT-Bench first turns in the target's chat template, as token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return [
+        list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                           add_generation_prompt=True, tokenize=True,
+                                           return_dict=True)["input_ids"])
+        for q in mt_bench_questions[:NUM_PROMPTS]
+    ]
+
+
+@pytest.fixture(scope="module")
+def subprocess_runs(target_dir, prompts, tmp_path_factory) -> dict[str, dict]:
+    """Greedy outputs of vLLM alone (plugin not loaded) and of plain vLLM with the plugin loaded."""
+    work = tmp_path_factory.mktemp("vllm_runs")
+    results = {}
+    # One after the other (side by side, their threads would fight for the cores).
+    # (name, VLLM_PLUGINS, prompts): the plugin-loaded plain run needs only a few prompts.
+    for name, plugins, subset in (("alone", "", prompts), ("plugin_loaded", None, prompts[:4])):
+        job = work / f"{name}_job.json"
+        job.write_text(json.dumps({"engine": engine_kwargs(target_dir),
+                                   "runs": [{"prompts": subset, "params": GREEDY}]}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env.pop("VLLM_PLUGINS", None)
+        if plugins is not None:
+            env["VLLM_PLUGINS"] = plugins
+        run = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "_vllm_generate.py"), str(job),
+             str(work / f"{name}.json")],
+            env=env, capture_output=True, text=True, timeout=900,
+        )
+        assert run.returncode == 0, f"{name} run failed:\n{(run.stdout + run.stderr)[-4000:]}"
+        results[name] = json.loads((work / f"{name}.json").read_text())
+    return results
+
+
+@pytest.fixture(scope="module")
+def alone(subprocess_runs) -> list[list[int]]:
+    """vLLM alone, greedy, MAX_TOKENS tokens per prompt: what redrafter must reproduce."""
+    return subprocess_runs["alone"]["outputs"][0]
+
+
+@pytest.fixture(scope="module")
+def llm(target_dir, drafter_dir, subprocess_runs):
+    """One redrafter engine, in this process. Default beam W=2, L=4; requests override it."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the engine starts
+    from vllm import LLM
+
+    engine = LLM(**engine_kwargs(target_dir), disable_log_stats=False, speculative_config={
+        "method": "redrafter", "model": str(drafter_dir), "beam_width": 2, "beam_length": 4,
+    })
+    yield engine
+    del engine
+
+
+@pytest.fixture
+def proposer(llm):
+    """The engine's ReDrafterProposer; its debug hooks are reset after each test."""
+    core = llm.llm_engine.engine_core
+    assert hasattr(core, "engine_core"), "the engine must run in-process for these tests"
+    runner = core.engine_core.model_executor.driver_worker.worker.model_runner
+    proposer = runner.drafter
+    source = proposer.beam_source
+    proposer.trace = []
+    yield proposer
+    proposer.trace, proposer.beam_source = None, source
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def generate(llm, prompts, per_request_params: list[dict]):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                        [SamplingParams(**p) for p in per_request_params], use_tqdm=False)
+
+
+def beam_shape(W: int, L: int) -> dict:
+    return {"extra_args": {"redrafter_beam_width": W, "redrafter_beam_length": L}}
+
+
+def spec_metrics(llm) -> dict[str, object]:
+    return {m.name: getattr(m, "values", getattr(m, "value", None))
+            for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class TeacherForcedBeams:
+    """A beam source that knows each prompt's continuation (the target's own greedy output).
+
+    Per request it hides the truth on a random beam, cut at a random depth (noise after), noise
+    on the other beams; the score of a beam is how many true tokens it carries, so the best beam
+    is the true one, which is often not beam 0.
+    """
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], seed: int = 0):
+        self.references = references
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def __call__(self, h, g0, beam_width, beam_length, requests):
+        from vllm_redrafter.beam_search import BeamSearchOutput
+
+        B = len(requests)
+        W = beam_width if isinstance(beam_width, int) else int(beam_width.max())
+        L = beam_length if isinstance(beam_length, int) else int(beam_length.max())
+        beams = torch.randint(VOCAB, (B, W, L), generator=self.rng)  # noise  # [B, W, L]
+        beams[:, :, 0] = g0.cpu()[:, None]
+        scores = torch.zeros(B, W)
+        for b, request in enumerate(requests):
+            reference = self.references[tuple(request.prompt_token_ids)]
+            k = len(request.output_token_ids)  # tokens emitted so far, g0 the last
+            truth = reference[k: k + L - 1]
+            winner = int(torch.randint(W, (), generator=self.rng))
+            cut = min(int(torch.randint(L, (), generator=self.rng)), len(truth))
+            beams[b, winner, 1: cut + 1] = torch.tensor(truth[:cut])
+            scores[b, winner] = cut + 0.5
+        return BeamSearchOutput(beams=beams.to(h.device), scores=scores.to(h.device),
+                                log_probs=None)
+
+
+# -- vLLM with the plugin loaded but redrafter not asked for -------------------------------------
+
+
+def test_plugin_loaded_plain_generation_equals_vllm_alone(subprocess_runs):
+    assert subprocess_runs["alone"]["plugin_patched"] is False  # VLLM_PLUGINS="" kept it out
+    assert subprocess_runs["plugin_loaded"]["plugin_patched"] is True
+    loaded = subprocess_runs["plugin_loaded"]["outputs"][0]
+    assert loaded == subprocess_runs["alone"]["outputs"][0][: len(loaded)]
+
+
+# -- greedy identity and the hidden state ---------------------------------------------------------
+
+
+def test_greedy_identical_to_vllm_alone_w1_and_w4(llm, proposer, drafter_dir, prompts, alone):
+    """20 MT-Bench prompts twice in one batch: beam shape W=1, L=4 and W=4, L=3."""
+    shapes = [beam_shape(1, 4)] * len(prompts) + [beam_shape(4, 3)] * len(prompts)
+    before = spec_metrics(llm)
+    outputs = generate(llm, prompts + prompts, [{**GREEDY, **s} for s in shapes])
+    after = spec_metrics(llm)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    assert tokens[: len(prompts)] == alone  # W = 1
+    assert tokens[len(prompts):] == alone  # W = 4
+    # drafts were proposed, each within its request's beam length
+    lengths = Counter(len(r.drafts) for r in proposer.trace)
+    assert lengths[3] > 0 and lengths[2] > 0, lengths
+    assert max(lengths) <= 3
+    assert_drafter_got_the_right_hidden_state(proposer.trace)
+    drafts, accepted = (after[name] - before[name] for name in (
+        "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"))
+    print(f"\n{drafter_dir.name}: {accepted / drafts:.2f} accepted draft tokens per step")
+    if drafter_dir == DEFAULT_DRAFTER:  # a trained drafter must earn its keep
+        assert accepted / drafts > 0.5
+
+
+def assert_drafter_got_the_right_hidden_state(records) -> None:
+    """The target's own LM head on the handed h gives back g0, at every step of every request."""
+    assert records
+    mismatches = [r for r in records if r.target_argmax != r.g0]
+    assert not mismatches, mismatches[:3]
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+
+
+def test_acceptance_metrics_match_drafts_and_emitted_tokens(llm, proposer, prompts, alone):
+    n = 10
+    proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=1)
+    before = spec_metrics(llm)
+    outputs = generate(llm, prompts[:n], [{**GREEDY, **beam_shape(3, 5)}] * n)
+    after = spec_metrics(llm)
+    emitted = {o.request_id: list(o.outputs[0].token_ids) for o in outputs}
+    assert list(emitted.values()) == alone[:n]
+    assert_drafter_got_the_right_hidden_state(proposer.trace)
+    # ... also right after accepted drafts, where h is no longer at the chain's start
+    last_count: dict[str, int] = {}
+    after_acceptance = 0
+    for r in proposer.trace:
+        after_acceptance += r.num_output_tokens - last_count.get(r.req_id, 0) > 1
+        last_count[r.req_id] = r.num_output_tokens
+    assert after_acceptance >= n, after_acceptance
+
+    # Count from the proposer's own drafts: a draft made after k emitted tokens is verified iff
+    # the request went on; greedy accepts the longest prefix that the target emitted next.
+    num_drafts = num_draft_tokens = num_accepted = 0
+    per_position = [0] * 4
+    for record in proposer.trace:
+        tokens = emitted[_external_id(record.req_id, emitted)]
+        if not record.drafts or record.num_output_tokens >= len(tokens):
+            continue
+        accepted = common_prefix(record.drafts, tokens[record.num_output_tokens:])
+        num_drafts += 1
+        num_draft_tokens += len(record.drafts)
+        num_accepted += accepted
+        for j in range(accepted):
+            per_position[j] += 1
+
+    def delta(name):
+        return after[name] - before[name]
+
+    assert num_accepted > num_drafts // 4  # the stand-in is accepted often enough to matter
+    assert delta("vllm:spec_decode_num_drafts") == num_drafts
+    assert delta("vllm:spec_decode_num_draft_tokens") == num_draft_tokens
+    assert delta("vllm:spec_decode_num_accepted_tokens") == num_accepted
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    reported = [a - b for a, b in zip(after[name], before[name])]
+    assert reported[:4] == per_position and not any(reported[4:])
+    print(f"\nmean acceptance length {1 + num_accepted / num_drafts:.2f} over {num_drafts} drafts,"
+          f" per position {per_position}")
+
+
+def _external_id(internal: str, emitted: dict) -> str:
+    """The runner's request id carries a suffix ("0-ab12cd34"); LLM's outputs may not."""
+    if internal in emitted:
+        return internal
+    return next(k for k in emitted if internal.startswith(f"{k}-"))
+
+
+# -- sampling and robustness -----------------------------------------------------------------------
+
+
+def test_temperature_with_seed_completes_every_request(llm, proposer, prompts):
+    params = [{"temperature": 0.8, "seed": i, "max_tokens": 24, **beam_shape(1 + i % 3, 4)}
+              for i in range(6)]
+    outputs = generate(llm, prompts[:6], params)
+    assert len(outputs) == 6
+    for o in outputs:
+        assert o.finished and o.outputs[0].finish_reason in ("length", "stop")
+        assert 1 <= len(o.outputs[0].token_ids) <= 24
+    assert any(r.drafts for r in proposer.trace)
+
+
+def test_failing_drafter_falls_back_to_no_drafts(llm, proposer, prompts, alone):
+    """Every third step the drafter raises, every third it returns NaN: output unchanged."""
+    drafter, source = proposer.drafter, proposer.beam_source
+    step = {"n": 0}
+
+    def counting_source(*args):
+        step["n"] += 1
+        return source(*args)
+
+    def faulty_logits(h, state):
+        if step["n"] % 3 == 0:
+            raise RuntimeError("injected drafter failure")
+        logits = type(drafter).draft_logits(drafter, h, state)
+        return torch.full_like(logits, float("nan")) if step["n"] % 3 == 1 else logits
+
+    proposer.beam_source = counting_source
+    drafter.draft_logits = faulty_logits
+    failed_before = proposer.num_failed_steps
+    try:
+        outputs = generate(llm, prompts[:4], [{**GREEDY, "max_tokens": 32}] * 4)
+    finally:
+        del drafter.draft_logits
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [a[:32] for a in alone[:4]]
+    assert proposer.num_failed_steps - failed_before >= 2 * step["n"] // 3 - 1
+    assert any(not r.drafts for r in proposer.trace)
+    assert any(r.drafts for r in proposer.trace)  # the good steps still drafted
+
+
+def test_bad_request_override_fails_that_request_only(llm, prompts):
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match=r"extra_args\['redrafter_beam_length'\]"):
+        generate(llm, prompts[:1], [{**GREEDY, **beam_shape(2, 99)}])
+    with pytest.raises(VLLMValidationError, match=r"extra_args\['redrafter_beam_width'\]"):
+        generate(llm, prompts[:1], [{**GREEDY, **beam_shape(0, 3)}])
+    outputs = generate(llm, prompts[:1], [{**GREEDY, "max_tokens": 4}])
+    assert len(outputs[0].outputs[0].token_ids) == 4
+
+
+# -- configuration errors before any model loads ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, error",
+    [
+        ({"beam_width": 0}, r"speculative_config\['beam_width'\] must be an integer >= 1, got 0"),
+        ({"beam_length": 1}, r"speculative_config\['beam_length'\] must be an integer >= 2"),
+        ({"beam_length": 5, "num_speculative_tokens": 3},
+         r"\['beam_length'\] must be in \[2, num_speculative_tokens \+ 1 = 4\], got 5"),
+        ({"verification": "fast"}, r"\['verification'\] must be one of 'exact', 'rejection'"),
+        ({"model": "/nonexistent/drafter"}, r"drafter directory /nonexistent/drafter does not"),
+    ],
+)
+def test_bad_config_is_refused_before_the_model_loads(target_dir, drafter_dir, overrides, error,
+                                                       monkeypatch):
+    from vllm import LLM
+    from vllm.model_executor.model_loader import default_loader
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config error")
+
+    monkeypatch.setattr(default_loader.DefaultModelLoader, "load_weights", no_load)
+    spec = {"method": "redrafter", "model": str(drafter_dir), **overrides}
+    with pytest.raises(ValueError, match=error):
+        LLM(**engine_kwargs(target_dir), speculative_config=spec)
+
+
+def test_drafter_for_another_target_is_refused_with_both_shapes(target_dir, tmp_path):
+    from vllm import LLM
+
+    RecurrentDrafter(DrafterConfig(vocab_size=32000, hidden_size=64, exit_dim=128,
+                                   num_draft_layers=1)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"hidden_size=64 / vocab_size=32000 does not match "
+                                         r"the target's hidden_size=576 / vocab_size=49152"):
+        LLM(**engine_kwargs(target_dir),
+            speculative_config={"method": "redrafter", "model": str(tmp_path)})
+
+
+def test_patches_are_pinned_to_this_vllm():
+    import vllm
+
+    from vllm_redrafter.patches import PINNED_VLLM_VERSION, check_vllm_version
+
+    assert vllm.__version__ == PINNED_VLLM_VERSION, (
+        f"the patches in patches/ were written against vLLM {PINNED_VLLM_VERSION}, this is "
+        f"{vllm.__version__}: re-read each patched function before changing the pin"
+    )
+    check_vllm_version()
+
+
+# -- the server, started as a user types it -------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> bytes:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return response.read()
+
+
+def test_server_answers_chat_and_streaming_and_reports_metrics(target_dir, drafter_dir, tmp_path):
+    port = _free_port()
+    spec = json.dumps({"method": "redrafter", "model": str(drafter_dir), "beam_width": 2,
+                       "beam_length": 3})
+    command = ["vllm-redrafter", "serve", str(target_dir), "--speculative-config", spec,
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+               "--kv-cache-memory-bytes", str(256 << 20), "--port", str(port)]
+    log = (tmp_path / "server.log").open("w+")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(server, base, log)
+        model = str(target_dir)
+        chat = json.loads(_post(f"{base}/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "Name three colors."}],
+            "max_tokens": 16, "temperature": 0,
+            "vllm_xargs": {"redrafter_beam_width": 1, "redrafter_beam_length": 3},
+        }))
+        assert chat["choices"][0]["message"]["content"]
+        stream = _post(f"{base}/v1/completions", {
+            "model": model, "prompt": "The capital of France is", "max_tokens": 16,
+            "temperature": 0, "stream": True,
+        }).decode()
+        chunks = [line[6:] for line in stream.splitlines() if line.startswith("data: ")]
+        assert chunks[-1] == "[DONE]" and len(chunks) > 2
+        text = "".join(json.loads(c)["choices"][0]["text"] for c in chunks[:-1])
+        assert text.strip()
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        drafts = _metric(metrics, "vllm:spec_decode_num_drafts_total")
+        draft_tokens = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
+        # beam_length 3 reached the worker process: 2 draft tokens per step, fewer only where
+        # max_tokens leaves no room
+        assert 0 < drafts < draft_tokens <= 2 * drafts
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            returncode = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise
+    log.seek(0)
+    output = log.read()
+    assert returncode == 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+
+
+def _wait_healthy(server, base: str, log, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log.seek(0)
+            pytest.fail(f"the server exited with {server.returncode}:\n{log.read()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(2)
+    pytest.fail(f"the server did not become healthy within {timeout} s")
+
+
+def _metric(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name)]
+    assert values, f"{name} missing from /metrics"
+    return sum(values)
