@@ -69,12 +69,37 @@ class DrafterProposer:
         return out.beams
 
 
+def teacher_forced_beams(reference: list[int], num_generated: int, g0: int, beam_width: int,
+                         beam_length: int, vocab_size: int,
+                         rng: torch.Generator) -> tuple[Tensor, int]:
+    """One request's stand-in beams [W, L] (CPU, ``beams[:, 0] = g0``) and the true beam's index.
+
+    ``reference`` is the target's own continuation and ``num_generated`` the tokens emitted so
+    far, g0 the last, so the truth after g0 is ``reference[num_generated:]``. The true beam
+    (``winner``, random) carries it cut at a random depth in [0, L-1] (noise after the cut); every
+    other beam is noise sharing a random prefix of the true beam, so the tree branches below the
+    root and the winning path is often not beam 0. Noise almost never matches the target, so
+    greedy verification accepts about the cut depth.
+    """
+    W, L = beam_width, beam_length
+    truth = reference[num_generated: num_generated + L - 1]
+    beams = torch.randint(vocab_size, (W, L), generator=rng)  # noise  # [W, L]
+    beams[:, 0] = g0
+    winner = int(torch.randint(W, (), generator=rng))
+    depth = min(int(torch.randint(L, (), generator=rng)), len(truth))
+    beams[winner, 1: depth + 1] = torch.tensor(truth[:depth], dtype=torch.long)
+    for k in range(W):  # noise beams share a random prefix of the true beam
+        if k != winner:
+            shared = int(torch.randint(depth + 1, (), generator=rng))
+            beams[k, : shared + 1] = beams[winner, : shared + 1]
+    return beams, winner
+
+
 class TeacherForcedProposer:
     """A stand-in drafter that knows the target's own continuation ``reference``.
 
-    Each step it hides the true continuation on one random beam, cut at a random depth (noise
-    after the cut), and fills the other beams with noise that shares a random prefix of the true
-    beam, so the tree branches below the root and the winning path is often not beam 0.
+    Each step it proposes :func:`teacher_forced_beams`: the true continuation on one random beam,
+    cut at a random depth, noise sharing random prefixes of it on the others.
     """
 
     def __init__(self, reference: list[int], beam_width: int, beam_length: int,
@@ -83,21 +108,9 @@ class TeacherForcedProposer:
         self.beam_width, self.beam_length, self.vocab_size = beam_width, beam_length, vocab_size
         self.rng = torch.Generator().manual_seed(seed)
 
-    def _randint(self, high: int, size: tuple[int, ...] = ()) -> Tensor:
-        return torch.randint(high, size, generator=self.rng)
-
     def __call__(self, h: Tensor, g0: int, generated: list[int]) -> Tensor:
-        W, L = self.beam_width, self.beam_length
-        truth = self.reference[len(generated): len(generated) + L - 1]
-        beams = self._randint(self.vocab_size, (W, L))  # noise  # [W, L]
-        beams[:, 0] = g0
-        winner, cut = int(self._randint(W)), int(self._randint(L))
-        depth = min(cut, len(truth))
-        beams[winner, 1: depth + 1] = torch.tensor(truth[:depth], dtype=torch.long)
-        for k in range(W):  # noise beams share a random prefix of the true beam
-            if k != winner:
-                shared = int(self._randint(depth + 1))
-                beams[k, : shared + 1] = beams[winner, : shared + 1]
+        beams, _ = teacher_forced_beams(self.reference, len(generated), g0, self.beam_width,
+                                        self.beam_length, self.vocab_size, self.rng)
         return beams[None].to(h.device)  # [1, W, L]
 
 
