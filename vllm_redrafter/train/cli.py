@@ -20,7 +20,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``train`` subcommand on an ``argparse`` subparsers object."""
     p = subparsers.add_parser("train", help="train a ReDrafter drafter by distillation from a target",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="default", help="named recipe: default | quick (default: default)")
+    p.add_argument("--recipe", default="default", help="default | medium | quick")
     p.add_argument("--target", type=Path, default=None,
                    help="target model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dataset", default=None,

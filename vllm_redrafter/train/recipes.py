@@ -3,6 +3,8 @@
 ``default``: the drafter shipped with the package for the embedded SmolLM2-135M-Instruct target,
     trained on the built-in local dataset (prompts.py; no network, never the MT-Bench questions).
     Hours on a 2-core CPU (mostly data generation), minutes on a GPU.
+``medium``: about 360 built-in prompts and 300 steps, roughly 20 minutes on a 2-core CPU: a
+    drafter that accepts something, for trying the vLLM integration before the default is built.
 ``quick``: the same pipeline on a tiny dataset, a few minutes on a CPU: what the tests run.
 
 Choices of the default and why:
@@ -61,6 +63,15 @@ RECIPES: dict[str, Recipe] = {
                       builtin=BuiltinSpec(templated=2000, text=600, self_instruct=800, seed=0)),
         drafter=DrafterSpec(num_draft_layers=1, draft_vocab_size=6144, head_init="random"),
         train=TrainConfig(epochs=2.0, batch_size=1024, lr=2e-3, warmup_steps=100, save_every=100),
+        save_dtype="float16",
+    ),
+    "medium": Recipe(
+        name="medium",
+        data=DataSpec(dataset="builtin", labels="self", num_draft_tokens=5, response_tokens=192,
+                      max_len=768, heldout_fraction=0.05,
+                      builtin=BuiltinSpec(templated=300, text=60, self_instruct=0, seed=0)),
+        drafter=DrafterSpec(num_draft_layers=1, draft_vocab_size=4096, head_init="random"),
+        train=TrainConfig(max_steps=300, batch_size=256, lr=2e-3, warmup_steps=30, save_every=50),
         save_dtype="float16",
     ),
     "quick": Recipe(
