@@ -1,4 +1,4 @@
-"""Hand the ReDrafter proposer the target's hidden states.
+"""Hand the ReDrafter proposer the target's hidden states (at each request's last accepted node).
 
 Wraps ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids`` (CPU's
 ``CPUModelRunner`` inherits it): vLLM's ``custom_class`` branch calls
@@ -11,7 +11,7 @@ it; every other proposer goes to vLLM's own code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,25 +32,31 @@ def apply() -> None:
 
 
 def hidden_state_rows(
-    sampled_token_ids: Sequence[Sequence[int]], num_draft_tokens: Sequence[int] | None
+    sampled_token_ids: Sequence[Sequence[int]],
+    num_draft_tokens: Sequence[int] | None,
+    last_nodes: Mapping[int, int] | None = None,
 ) -> list[int]:
-    """Row of ``sample_hidden_states`` holding each request's last emitted token (Medusa's rule).
+    """Row of ``sample_hidden_states`` holding each request's last accepted node.
 
-    ``sample_hidden_states`` has ``num_draft + 1`` rows per request (its verified drafts and the
-    bonus position); a request that emitted ``n`` tokens (n - 1 accepted drafts + the bonus)
-    takes row ``offset + n - 1``. A request that emitted nothing (a prefill chunk) gets its
-    first row; it is not drafted for.
+    ``sample_hidden_states`` has ``num_draft + 1`` rows per request: its root and its verified
+    draft nodes. A tree request takes the row of its last accepted node (``last_nodes[b]``, a
+    packed index, from the tree verifier); otherwise Medusa's chain rule: a request that emitted
+    ``n`` tokens (n - 1 accepted drafts + the bonus) takes row ``offset + n - 1``. A request that
+    emitted nothing (a prefill chunk) gets its first row; it is not drafted for.
 
     >>> hidden_state_rows([[5, 6, 7], [8], []], [3, 2, 0])
     [2, 4, 7]
+    >>> hidden_state_rows([[5, 6, 7], [8], []], [3, 2, 0], last_nodes={0: 3})   # tree: node 3
+    [3, 4, 7]
     >>> hidden_state_rows([[5], [8]], None)   # no drafts were scheduled: one row each
     [0, 1]
     """
     if num_draft_tokens is None:
         return list(range(len(sampled_token_ids)))
+    last_nodes = last_nodes or {}
     rows, offset = [], 0
-    for tokens, num_draft in zip(sampled_token_ids, num_draft_tokens, strict=True):
-        rows.append(offset + max(len(tokens), 1) - 1)
+    for b, (tokens, num_draft) in enumerate(zip(sampled_token_ids, num_draft_tokens, strict=True)):
+        rows.append(offset + last_nodes.get(b, max(len(tokens), 1) - 1))
         offset += num_draft + 1
     return rows
 
@@ -71,7 +77,12 @@ def _wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             or sample_hidden_states.shape[0] == len(sampled_token_ids)
             else spec_decode_metadata.num_draft_tokens
         )
-        rows = hidden_state_rows(sampled_token_ids, num_draft)
+        verifier = getattr(self, "rejection_sampler", None)
+        step = getattr(verifier, "last_step", None)
+        last_nodes = step.last_nodes if step is not None and num_draft is not None else None
+        rows = hidden_state_rows(sampled_token_ids, num_draft, last_nodes)
+        if verifier is not None and step is not None:
+            verifier.last_step = None  # consumed
         index = torch.tensor(rows, dtype=torch.long).to(sample_hidden_states.device,
                                                         non_blocking=True)
         requests = [self.requests[req_id] for req_id in self.input_batch.req_ids]

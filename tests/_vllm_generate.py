@@ -4,6 +4,7 @@ The tests' "vLLM alone" baseline runs here with ``VLLM_PLUGINS=""`` (once a proc
 plugin, its patches stay), and the plain plugin-loaded run with the plugin allowed.
 
 JOB (json): {"engine": {LLM kwargs}, "runs": [{"prompts": [[token ids]], "params": {...}}]}
+            ("params" may also be a list: one dict per prompt)
 OUT (json): {"plugin_patched": bool, "outputs": [[[token ids] per prompt] per run]}
 """
 
@@ -23,7 +24,9 @@ def main(job_file: str, out_file: str) -> None:
     outputs = []
     for run in job["runs"]:
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
-        results = llm.generate(prompts, SamplingParams(**run["params"]), use_tqdm=False)
+        params = ([SamplingParams(**p) for p in run["params"]] if isinstance(run["params"], list)
+                  else SamplingParams(**run["params"]))
+        results = llm.generate(prompts, params, use_tqdm=False)
         outputs.append([list(r.outputs[0].token_ids) for r in results])
     patched = hasattr(EngineArgs.create_speculative_config, "_vllm_redrafter_patched")
     with open(out_file, "w") as f:

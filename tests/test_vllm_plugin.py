@@ -14,6 +14,7 @@ stand-in that knows the target's continuation (from the "vLLM alone" run).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -118,6 +119,7 @@ def llm(target_dir, drafter_dir, subprocess_runs):
 
     engine = LLM(**engine_kwargs(target_dir), disable_log_stats=False, speculative_config={
         "method": "redrafter", "model": str(drafter_dir), "beam_width": 2, "beam_length": 4,
+        "num_speculative_tokens": 64,  # room for W = 16, L = 5 trees
     })
     yield engine
     del engine
@@ -156,13 +158,25 @@ def spec_metrics(llm) -> dict[str, object]:
             for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
 
 
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
+def accepted_depth(drafts, parents, continuation) -> int:
+    """Draft tokens greedy verification accepts: the deepest tree path the target emitted next.
+
+    ``drafts`` are the packed nodes after the root, ``parents`` the packed parents root first.
+    """
+    tokens = [None, *drafts]
+    node, depth = 0, 0
+    for token in continuation:
+        child = next((j for j in range(1, len(tokens))
+                      if parents[j] == node and tokens[j] == token), None)
+        if child is None:
             break
-        n += 1
-    return n
+        node, depth = child, depth + 1
+    return depth
+
+
+def verifier_of(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner.rejection_sampler
 
 
 class TeacherForcedBeams:
@@ -215,23 +229,29 @@ def test_plugin_loaded_plain_generation_equals_vllm_alone(subprocess_runs):
 # -- greedy identity and the hidden state ---------------------------------------------------------
 
 
-def test_greedy_identical_to_vllm_alone_w1_and_w4(llm, proposer, drafter_dir, prompts, alone):
-    """20 MT-Bench prompts twice in one batch: beam shape W=1, L=4 and W=4, L=3."""
-    shapes = [beam_shape(1, 4)] * len(prompts) + [beam_shape(4, 3)] * len(prompts)
+@pytest.mark.parametrize("L", [3, 5])
+def test_greedy_identical_to_vllm_alone_for_every_beam_shape(llm, proposer, drafter_dir, prompts,
+                                                             alone, L):
+    """20 MT-Bench prompts x 64 tokens for W = 1, 4 and 16 in one mixed batch (prefix caching on).
+
+    W = 16, L = 5 packs up to 64 draft nodes per request: the scheduler's token budget cuts some
+    trees short, which the verifier must take as smaller trees.
+    """
+    widths = (1, 4, 16)
+    shapes = [beam_shape(W, L) for W in widths for _ in prompts]
     before = spec_metrics(llm)
-    outputs = generate(llm, prompts + prompts, [{**GREEDY, **s} for s in shapes])
+    outputs = generate(llm, prompts * len(widths), [{**GREEDY, **s} for s in shapes])
     after = spec_metrics(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    assert tokens[: len(prompts)] == alone  # W = 1
-    assert tokens[len(prompts):] == alone  # W = 4
-    # drafts were proposed, each within its request's beam length
+    for i, W in enumerate(widths):
+        assert tokens[i * len(prompts): (i + 1) * len(prompts)] == alone, f"W={W}, L={L}"
     lengths = Counter(len(r.drafts) for r in proposer.trace)
-    assert lengths[3] > 0 and lengths[2] > 0, lengths
-    assert max(lengths) <= 3
+    assert lengths[L - 1] > 0, lengths  # chains (W = 1)
+    assert max(lengths) > L - 1 and max(lengths) <= 16 * (L - 1), lengths  # trees
     assert_drafter_got_the_right_hidden_state(proposer.trace)
     drafts, accepted = (after[name] - before[name] for name in (
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"))
-    print(f"\n{drafter_dir.name}: {accepted / drafts:.2f} accepted draft tokens per step")
+    print(f"\n{drafter_dir.name}: {accepted / drafts:.2f} accepted draft tokens per step, L={L}")
     if drafter_dir == DEFAULT_DRAFTER:  # a trained drafter must earn its keep
         assert accepted / drafts > 0.5
 
@@ -251,6 +271,8 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     """
     proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=2)
     shapes = [beam_shape(1 if i % 2 else 4, 5) for i in range(len(prompts))]
+    verifier = verifier_of(llm)
+    verified, moved = verifier.num_tree_verifications, verifier.num_kv_moves
     before = spec_metrics(llm)
     outputs = generate(llm, prompts, [{**GREEDY, **s} for s in shapes])
     after = spec_metrics(llm)
@@ -267,6 +289,10 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     print(f"\nteacher-forced: accepted >= 2 in {at_least_2:.0%} of {drafts} steps, "
           f"{accepted / drafts:.2f} accepted draft tokens per step, per position {per_position}")
     assert at_least_2 >= 0.3, f"only {at_least_2:.0%} of steps accepted >= 2 draft tokens"
+    # the winning path left beam 0 (so its KV moved) in a good share of the tree (W = 4) steps
+    off_beam_0 = (verifier.num_kv_moves - moved) / (verifier.num_tree_verifications - verified)
+    print(f"accepted path off beam 0 (KV moved) in {off_beam_0:.0%} of verify steps (W=1 half)")
+    assert off_beam_0 >= 0.15  # half the requests are W = 1 chains, which never move KV
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -292,12 +318,12 @@ def test_acceptance_metrics_match_drafts_and_emitted_tokens(llm, proposer, promp
     # Count from the proposer's own drafts: a draft made after k emitted tokens is verified iff
     # the request went on; greedy accepts the longest prefix that the target emitted next.
     num_drafts = num_draft_tokens = num_accepted = 0
-    per_position = [0] * 4
+    per_position = [0] * 4  # depth 1..4 (L = 5)
     for record in proposer.trace:
         tokens = emitted[_external_id(record.req_id, emitted)]
         if not record.drafts or record.num_output_tokens >= len(tokens):
             continue
-        accepted = common_prefix(record.drafts, tokens[record.num_output_tokens:])
+        accepted = accepted_depth(record.drafts, record.parents, tokens[record.num_output_tokens:])
         num_drafts += 1
         num_draft_tokens += len(record.drafts)
         num_accepted += accepted
@@ -522,3 +548,127 @@ def _metric(text: str, name: str) -> float:
               if line.startswith(name)]
     assert values, f"{name} missing from /metrics"
     return sum(values)
+
+
+# -- exact sampling over the tree ----------------------------------------------------------------
+
+SAMPLING_PROMPT = "My favourite animal is the"
+NUM_SAMPLES = 2000
+SAMPLING_ARMS = {"t1": {"temperature": 1.0}, "t07_p09": {"temperature": 0.7, "top_p": 0.9}}
+
+
+def sampling_params(arm: str) -> list[dict]:
+    return [{**SAMPLING_ARMS[arm], "seed": i, "max_tokens": 4} for i in range(NUM_SAMPLES)]
+
+
+@pytest.fixture(scope="module")
+def sampling_prompt(target_dir) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)(SAMPLING_PROMPT)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def alone_samples(target_dir, sampling_prompt, tmp_path_factory) -> dict[str, list[list[int]]]:
+    """vLLM alone (plugin not loaded), NUM_SAMPLES seeded requests per arm."""
+    work = tmp_path_factory.mktemp("alone_samples")
+    runs = [{"prompts": [sampling_prompt] * NUM_SAMPLES, "params": sampling_params(arm)}
+            for arm in SAMPLING_ARMS]
+    (work / "job.json").write_text(json.dumps({"engine": engine_kwargs(target_dir), "runs": runs}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"),
+                          str(work / "job.json"), str(work / "out.json")],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    outputs = json.loads((work / "out.json").read_text())["outputs"]
+    return dict(zip(SAMPLING_ARMS, outputs))
+
+
+class TopTokenBeams:
+    """Beams whose first draft tokens are the target's own W most likely next tokens (from h).
+
+    Depth 1 is accepted often, so the 2nd and 3rd emitted tokens come from walks that leave beam
+    0 (KV moved, tree-masked logits). Deeper tokens repeat the top token (rarely right). With
+    ``q`` set, beams also carry a draft distribution putting 1/2 on each drafted token: what the
+    p/q rejection mode reads (and is biased by).
+    """
+
+    def __init__(self, target, q: bool = False):
+        self.target, self.q = target, q
+
+    def __call__(self, h, g0, beam_width, beam_length, requests):
+        from vllm_redrafter.beam_search import BeamSearchOutput
+
+        B = h.shape[0]
+        W = int(beam_width) if not torch.is_tensor(beam_width) else int(beam_width.max())
+        L = int(beam_length) if not torch.is_tensor(beam_length) else int(beam_length.max())
+        top = self.target.compute_logits(h).float().topk(W, dim=-1).indices  # [B, W]
+        beams = torch.cat([g0[:, None, None].expand(B, W, 1), top[:, :, None],
+                           top[:, :1, None].expand(B, W, L - 2)], dim=2)
+        scores = -torch.arange(W, dtype=torch.float32).expand(B, W)
+        log_probs = None
+        if self.q:
+            log_probs = torch.full((B, W, L - 1, VOCAB), math.log(0.5 / (VOCAB - 1)))
+            log_probs.scatter_(-1, beams[:, :, 1:, None], math.log(0.5))
+        return BeamSearchOutput(beams=beams, scores=scores, log_probs=log_probs)
+
+
+def joint_counts(outputs: list[list[int]]) -> Counter:
+    return Counter((o[1], o[2]) for o in outputs if len(o) >= 3)
+
+
+def two_sample_chi_square(a: Counter, b: Counter) -> float:
+    """p-value of "same distribution" for two count tables; bins expected < 5 pooled."""
+    from scipy.stats import chi2
+
+    n_a, n_b = sum(a.values()), sum(b.values())
+    bins, pooled = [], [0, 0]
+    for key in set(a) | set(b):
+        total = a[key] + b[key]
+        if min(total * n_a, total * n_b) / (n_a + n_b) >= 5:
+            bins.append((a[key], b[key]))
+        else:
+            pooled[0] += a[key]
+            pooled[1] += b[key]
+    if sum(pooled):
+        bins.append(tuple(pooled))
+    stat = 0.0
+    for x, y in bins:
+        total = x + y
+        for observed, n in ((x, n_a), (y, n_b)):
+            expected = total * n / (n_a + n_b)
+            stat += (observed - expected) ** 2 / expected
+    return float(chi2.sf(stat, len(bins) - 1))
+
+
+def test_prompt_leaves_room_for_bias(alone_samples):
+    second = Counter(o[1] for o in alone_samples["t1"])
+    assert max(second.values()) / sum(second.values()) <= 0.5
+
+
+@pytest.mark.parametrize("arm", list(SAMPLING_ARMS))
+def test_tree_sampling_matches_vllm_alone(llm, proposer, sampling_prompt, alone_samples, arm):
+    """Tokens 2 and 3 (one tree-verify step, W=4, L=3) distributed as vLLM alone samples them."""
+    proposer.beam_source = TopTokenBeams(proposer.target)
+    verifier = verifier_of(llm)
+    moved = verifier.num_kv_moves
+    outputs = generate(llm, [sampling_prompt] * NUM_SAMPLES,
+                       [{**p, **beam_shape(4, 3)} for p in sampling_params(arm)])
+    ours = [list(o.outputs[0].token_ids) for o in outputs]
+    p_value = two_sample_chi_square(joint_counts(ours), joint_counts(alone_samples[arm]))
+    print(f"\n{arm}: p = {p_value:.3f}, accepted paths off beam 0: {verifier.num_kv_moves - moved}")
+    assert verifier.num_kv_moves - moved > NUM_SAMPLES // 4  # the walks did leave beam 0
+    assert p_value > 0.01
+
+
+def test_pq_rejection_mode_is_detectably_biased(llm, proposer, sampling_prompt, alone_samples):
+    """Apple's p/q rejection (opt-in) on the same setup: the test above has the power to see it."""
+    proposer.beam_source = TopTokenBeams(proposer.target, q=True)
+    params = [{**p, "extra_args": {"redrafter_beam_width": 4, "redrafter_beam_length": 3,
+                                   "redrafter_verification": "rejection"}}
+              for p in sampling_params("t1")]
+    outputs = generate(llm, [sampling_prompt] * NUM_SAMPLES, params)
+    ours = [list(o.outputs[0].token_ids) for o in outputs]
+    p_value = two_sample_chi_square(joint_counts(ours), joint_counts(alone_samples["t1"]))
+    print(f"\np/q rejection: p = {p_value:.2e}")
+    assert p_value < 0.01

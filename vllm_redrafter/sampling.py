@@ -27,7 +27,7 @@ unseeded rows and each seeded request's rows redrawn from its own generator. No
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -106,6 +106,19 @@ class SamplingParamsBatch:
             min_p=tensor(min_p, torch.float32),
             generators=generators,
         )
+
+
+    def with_generators(self, generators: dict[int, torch.Generator]) -> SamplingParamsBatch:
+        """The same parameters drawing row b's noise from ``generators[b]`` (e.g. vLLM's)."""
+        return replace(self, generators=dict(generators) or None)
+
+    def row(self, b: int) -> SamplingParamsBatch:
+        """Request b alone (B = 1), with its generator if it has one."""
+        def one(value: Tensor | None) -> Tensor | None:
+            return None if value is None else value[b: b + 1]
+        generator = (self.generators or {}).get(b)
+        return SamplingParamsBatch(one(self.temperature), one(self.top_k), one(self.top_p),
+                                   one(self.min_p), None if generator is None else {0: generator})
 
 
 def greedy_rows(params: SamplingParamsBatch) -> Tensor:

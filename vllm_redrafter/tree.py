@@ -81,12 +81,13 @@ first token is a root (parent -1). Beam search never produces that (every beam s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-__all__ = ["DynamicTree", "build_tree", "truncate_tree"]
+__all__ = ["DynamicTree", "PackedTree", "build_tree", "truncate_tree"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,41 @@ class DynamicTree:
         else:
             candidates = self.valid.sum(dim=(1, 2))
         return candidates.float() / self.num_packed.float()
+
+
+@dataclass(frozen=True)
+class PackedTree:
+    """A packed tree as the verifier walks it, when only its shape is at hand (no beams).
+
+    :class:`DynamicTree` carries the same four fields (and the beams they came from); inside
+    vLLM the verifier rebuilds the trees of a step from the shapes the proposer kept.
+    """
+
+    tokens: Tensor  # [B, P] long, root first, padded with 0
+    depth: Tensor  # [B, P] long
+    parent: Tensor  # [B, P] long, -1 for the root and padding
+    num_packed: Tensor  # [B] long
+
+    @classmethod
+    def from_lists(cls, tokens: Sequence[Sequence[int]], parent: Sequence[Sequence[int]],
+                   depth: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> PackedTree:
+        """From per-request lists (ragged); parents must precede their children.
+
+        >>> PackedTree.from_lists([[5, 1, 4], [7]], [[-1, 0, 0], [-1]], [[0, 1, 1], [0]]).parent
+        tensor([[-1,  0,  0],
+                [-1, -1, -1]])
+        """
+        width = max(len(t) for t in tokens)
+
+        def pad(rows, fill):
+            return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=torch.long,
+                                device=device)
+
+        for p in parent:
+            if any(not -1 <= q < j or (q == -1) != (j == 0) for j, q in enumerate(p)):
+                raise ValueError(f"parent lists must start with -1 and point backwards, got {list(p)}")
+        return cls(pad(tokens, 0), pad(depth, 0), pad(parent, -1),
+                   torch.tensor([len(t) for t in tokens], dtype=torch.long, device=device))
 
 
 def build_tree(

@@ -54,6 +54,7 @@ __all__ = [
     "next_node",
     "verify",
     "verify_greedy",
+    "verify_greedy_choice",
     "verify_rejection",
     "verify_sampling",
     "verify_typical",
@@ -131,6 +132,17 @@ def verify_greedy(tree: DynamicTree, logits: Tensor) -> Acceptance:
     """Greedy walk: the target's argmax at every node (see the module docstring)."""
     _check_logits(tree, logits)
     return _walk(tree, logits.argmax(dim=-1))
+
+
+def verify_greedy_choice(tree: DynamicTree, argmax: Tensor) -> Acceptance:
+    """The greedy walk from the target's argmax token at each node, ``argmax`` [B, P].
+
+    Equal to ``verify_greedy(tree, logits)`` with ``argmax = logits.argmax(-1)``, for callers that
+    hold the logits as rows elsewhere (vLLM) and need not copy them into [B, P, V].
+    """
+    if tuple(argmax.shape) != tuple(tree.tokens.shape):
+        raise ValueError(f"argmax must be [B, P] = {list(tree.tokens.shape)}, got {list(argmax.shape)}")
+    return _walk(tree, argmax)
 
 
 def verify_sampling(tree: DynamicTree, logits: Tensor, params: SamplingParamsBatch) -> Acceptance:

@@ -185,8 +185,10 @@ def _builtin_prompt_ids(spec: DataSpec, tokenizer, gen) -> list[list[int]]:
     questions = builtin_prompts.templated_prompts(b.templated, b.seed)
     questions += builtin_prompts.text_prompts(b.text, b.seed)
     if b.self_instruct:
-        requests = [GenRequest(_chat(tokenizer, q), max_tokens=64, temperature=0.9, seed=b.seed * 100_003 + i)
-                    for i, q in enumerate(builtin_prompts.self_instruct_requests(b.self_instruct, b.seed))]
+        # No per-request seeds: vLLM 0.32 on CPU crashes when a seeded request's prefill is chunked
+        # (Generator.get_offset is CUDA-only); the engine's fixed seed makes the run reproducible.
+        requests = [GenRequest(_chat(tokenizer, q), max_tokens=64, temperature=0.9)
+                    for q in builtin_prompts.self_instruct_requests(b.self_instruct, b.seed)]
         for out in gen(requests, "gen_self_instruct"):
             question = builtin_prompts.clean_self_instruct(tokenizer.decode(out, skip_special_tokens=True))
             if question is not None:

@@ -9,7 +9,10 @@ The seam (see ../shared/VLLM_SEAM.md):
 
 - ``config``: the settings, their validation, the rewrite into vLLM's ``custom_class`` method;
 - ``proposer``: :class:`~vllm_redrafter.vllm_plugin.proposer.ReDrafterProposer`, the drafter's
-  beam search on the target's hidden state; drafts verified by vLLM's rejection sampler.
+  beam search on the target's hidden state, packed into a dynamic tree per request;
+- ``tree_step``: a step's trees lined up with what vLLM scheduled (positions, masks, KV moves);
+- ``attention``: vLLM's CPU attention plus the tree mask on verify steps;
+- ``verifier``: the tree verifier in place of vLLM's rejection sampler.
 """
 
 from __future__ import annotations
@@ -17,6 +20,22 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger(__name__)
+
+
+def _register_tree_attention() -> None:
+    """Put the tree-capable subclass of vLLM's CPU attention in ``CPU_ATTN``'s place.
+
+    It behaves as vLLM's own outside ReDrafter tree steps (``vllm_plugin/attention.py``).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from vllm_redrafter.vllm_plugin.attention import BACKEND_PATH
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
 
 
 def register() -> None:
@@ -27,6 +46,7 @@ def register() -> None:
         check_vllm_version,
         request_params,
         runner_hidden_states,
+        runner_tree,
         speculative_config,
     )
 
@@ -37,5 +57,7 @@ def register() -> None:
         return
     speculative_config.apply()
     runner_hidden_states.apply()
+    runner_tree.apply()
     request_params.apply()
+    _register_tree_attention()
     logger.debug("vllm-redrafter: patches for vLLM %s applied", PINNED_VLLM_VERSION)

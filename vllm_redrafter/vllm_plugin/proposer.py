@@ -1,17 +1,19 @@
-"""The ReDrafter proposer inside vLLM's model runner: hidden state in, drafts out.
+"""The ReDrafter proposer inside vLLM's model runner: hidden state in, packed draft trees out.
 
 vLLM builds it as a ``custom_class`` proposer (``ReDrafterProposer(vllm_config)``) and calls
 ``load_model(target)`` once. Then, every step, the runner patch
-(``vllm_redrafter.patches.runner_hidden_states``) calls
-:meth:`ReDrafterProposer.propose_with_hidden_states` with, per request of the batch, the tokens
-the target just emitted (accepted drafts + the bonus token g0), the target's last-layer hidden
-state h (after the final norm) at g0's position, and the request's state. The proposer runs the
-drafter's batched beam search on the target's device and returns the best beam as a chain of
-L-1 draft tokens per request, which vLLM's own rejection sampler verifies (tree verification
-replaces this in the next step of the project; a chain is the W=1 tree).
+(``vllm_redrafter.patches.runner_tree``) calls :meth:`ReDrafterProposer.propose_with_hidden_states`
+with, per request of the batch, the tokens the target just emitted (accepted drafts + the bonus
+token g0), the target's last-layer hidden state h (after the final norm) at the last accepted
+node, and the request's state. The proposer runs the drafter's batched beam search on the
+target's device, packs each request's W beams into its dynamic tree (``tree.py``) and returns the
+packed nodes after the root as the request's draft list; it keeps each tree's shape
+(:attr:`ReDrafterProposer.trees`) for the verify step (``verifier.py``). W = 1 is a chain.
 
-A step where the drafter raises or produces non-finite scores proposes nothing (empty drafts):
-vLLM then decodes those requests one token at a time, so no request fails.
+A request whose features assume a chain (penalties, bad words, logit bias, allowed tokens,
+min_tokens still pending, structured output, logprobs) gets no drafts: vLLM samples it as without
+speculation (:func:`tree_eligible`). A step where the drafter raises or produces non-finite
+scores proposes nothing for the requests concerned: no request fails.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from vllm_redrafter.beam_search import BeamSearchOutput, beam_search
+from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.drafter import RecurrentDrafter
 from vllm_redrafter.vllm_plugin.config import (
     ReDrafterConfigError,
@@ -33,6 +36,7 @@ from vllm_redrafter.vllm_plugin.config import (
     request_settings,
     settings_from_extra_config,
 )
+from vllm_redrafter.vllm_plugin.tree_step import RequestTree
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,8 @@ class DraftRecord:
     num_output_tokens: int  # tokens the request had emitted, g0 included, when it drafted
     g0: int
     target_argmax: int  # argmax of the target's LM head applied to the h the drafter received
-    drafts: tuple[int, ...]  # what was proposed (empty: nothing, e.g. the drafter failed)
+    drafts: tuple[int, ...]  # the packed tree after its root (empty: nothing proposed)
+    parents: tuple[int, ...] = ()  # packed parent of each node, root first (-1, ...)
 
 
 class ReDrafterProposer:
@@ -85,6 +90,8 @@ class ReDrafterProposer:
         self.beam_source: BeamSource = self._drafter_beam_search
         self.trace: list[DraftRecord] | None = None
         self.num_failed_steps = 0
+        self.trees: dict[str, RequestTree] = {}  # req_id -> the tree proposed this step
+        self.allow_trees = True  # False: the attention backend cannot mask trees; chains only
 
     # -- vLLM's proposer interface -------------------------------------------------------------
 
@@ -123,65 +130,89 @@ class ReDrafterProposer:
     def propose_with_hidden_states(
         self,
         sampled_token_ids: list[list[int]],  # [B] ragged: accepted drafts + bonus, per request
-        hidden_states: Tensor,  # [B, H] at each request's last emitted token (see the patch)
+        hidden_states: Tensor,  # [B, H] at each request's last accepted node (see the patch)
         requests: Sequence[Any],  # [B] the runner's CachedRequestState, same order
         max_num_drafts: int | None = None,  # the scheduler's cap this step
     ) -> list[list[int]]:
-        """The best beam of each request as its chain of draft tokens ([] for none).
+        """Each request's packed tree after its root, as its draft list ([] for none).
 
-        A request gets no more drafts than ``max_num_drafts`` nor than it may still emit minus
-        one (the bonus token), so every verified draft token can reach the output.
+        A request gets at most ``max_num_drafts`` draft nodes (the scheduler's cap) and beams no
+        deeper than the tokens it may still emit, so every accepted token can reach the output.
         """
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        self.trees = {}
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
-        budgets = [min(cap, _tokens_left(r) - 1) for r in requests]
-        active = [i for i, tokens in enumerate(sampled_token_ids) if tokens and budgets[i] > 0]
+        shapes = [self._request_settings(r) for r in requests]
+        active = [i for i, tokens in enumerate(sampled_token_ids)
+                  if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
         if active:
             index = torch.tensor(active, device=hidden_states.device)
-            h = hidden_states[index]  # [A, H], the A requests that draft this step
             g0 = [sampled_token_ids[i][-1] for i in active]
-            shapes = [self._request_settings(requests[i]) for i in active]
             try:
-                chains = self._best_chains(h, g0, shapes, [requests[i] for i in active])
+                trees = self._trees(hidden_states[index], g0, [shapes[i] for i in active],
+                                    [requests[i] for i in active], cap)
             except Exception:  # a failing drafter costs this step's drafts, never a request
                 self._note_failure("raised", exc_info=True)
-                chains = [[] for _ in active]
-            for i, chain in zip(active, chains):
-                drafts[i] = chain[: budgets[i]]
+                trees = [None] * len(active)
+            for i, tree in zip(active, trees):
+                if tree is not None and len(tree.tokens) > 1:
+                    drafts[i] = tree.drafts
+                    self.trees[requests[i].req_id] = tree
         if self.trace is not None:
             self._record(sampled_token_ids, hidden_states, requests, drafts)
         return drafts
 
-    def _best_chains(
+    def _trees(
         self, h: Tensor, last_tokens: list[int], shapes: list[RequestSettings],
-        requests: Sequence[Any],
-    ) -> list[list[int]]:
-        """Beam search for B requests (h [B, H]); per request the best beam minus its root."""
+        requests: Sequence[Any], cap: int,
+    ) -> list[RequestTree | None]:
+        """Beam search for B requests (h [B, H]), packed into trees of at most cap + 1 nodes."""
         device = h.device
         g0 = torch.tensor(last_tokens, device=device, dtype=torch.long)  # [B]
-        out = self.beam_source(
-            h, g0, _int_or_tensor([s.beam_width for s in shapes], device),
-            _int_or_tensor([s.beam_length for s in shapes], device), requests,
-        )
-        best = out.scores.argmax(dim=-1)  # [B]
-        chain = out.beams[torch.arange(len(shapes), device=device), best, 1:]  # [B, Lmax-1]
-        finite = out.scores.gather(-1, best[:, None]).squeeze(-1).isfinite()  # [B]
-        chain_list, finite_list = chain.tolist(), finite.tolist()  # the step's one host transfer
+        widths = [s.beam_width if self.allow_trees else 1 for s in shapes]
+        lengths = [min(s.beam_length, _tokens_left(r)) for s, r in zip(shapes, requests)]
+        out = self.beam_source(h, g0, _int_or_tensor(widths, device),
+                               _int_or_tensor(lengths, device), requests)
+        W_max, L_max = max(widths), max(lengths)
+        beams = out.beams[:, :W_max, :L_max]
+        tree = truncate_tree(build_tree(beams, _int_or_tensor(widths, device),
+                                        _int_or_tensor(lengths, device)), cap + 1)
+        real = torch.arange(W_max, device=device) < torch.tensor(widths, device=device)[:, None]
+        finite = (out.scores[:, :W_max].isfinite() | ~real).all(dim=1)  # [B]
+        tokens, parent, depth, num, ok = (tree.tokens.tolist(), tree.parent.tolist(),
+                                          tree.depth.tolist(), tree.num_packed.tolist(),
+                                          finite.tolist())  # the step's host transfer
         vocab = self.model_config.get_vocab_size()
-        chains = []
-        for c, good, s in zip(chain_list, finite_list, shapes):
-            c = c[: s.beam_length - 1]
-            chains.append(c if good and all(0 <= t < vocab for t in c) else [])
-        if any(not c for c in chains):
-            self._note_failure("produced non-finite scores or out-of-vocabulary tokens")
-        return chains
+        trees: list[RequestTree | None] = []
+        for b, shape in enumerate(shapes):
+            n = num[b]
+            if not ok[b] or not all(0 <= t < vocab for t in tokens[b][:n]):
+                self._note_failure("produced non-finite scores or out-of-vocabulary tokens")
+                trees.append(None)
+                continue
+            extra = None
+            if shape.verification == "rejection":
+                extra = self._rejection_extra(tree, out, b, W_max, L_max)
+            trees.append(RequestTree(tuple(tokens[b][:n]), tuple(parent[b][:n]),
+                                     tuple(depth[b][:n]), shape.verification, extra))
+        return trees
+
+    @staticmethod
+    def _rejection_extra(tree, out: BeamSearchOutput, b: int, width: int, length: int):
+        """What p/q rejection needs besides the shape: request b's beams and their q."""
+        if out.log_probs is None:
+            return None  # the beam source gave no q: the request is verified exactly
+        one = type(tree)(**{f: (getattr(tree, f)[b: b + 1] if getattr(tree, f) is not None else None)
+                            for f in tree.__dataclass_fields__})
+        return one, out.log_probs[b: b + 1, :width, : length - 1]
 
     def _drafter_beam_search(
         self, h: Tensor, g0: Tensor, beam_width: int | Tensor, beam_length: int | Tensor,
         requests: Sequence[Any],
     ) -> BeamSearchOutput:
         assert self.drafter is not None, "load_model() was not called"
-        return beam_search(self.drafter, h, g0, beam_width, beam_length)
+        want_q = any(self._request_settings(r).verification == "rejection" for r in requests)
+        return beam_search(self.drafter, h, g0, beam_width, beam_length, return_log_probs=want_q)
 
     def _request_settings(self, request: Any) -> RequestSettings:
         params = getattr(request, "sampling_params", None)
@@ -217,7 +248,26 @@ class ReDrafterProposer:
                 g0=sampled_token_ids[i][-1],
                 target_argmax=top,
                 drafts=tuple(drafts[i]),
+                parents=self.trees[requests[i].req_id].parent if drafts[i] else (),
             ))
+
+
+def tree_eligible(request: Any) -> bool:
+    """Whether a request's sampling is only temperature / top-k / top-p / min-p (and a seed).
+
+    Penalties, bad words, logit bias, allowed token ids, a pending min_tokens, structured output
+    and logprobs all read or change the distribution along a chain of earlier tokens, which vLLM
+    applies per draft position; such a request gets no drafts and is sampled by vLLM itself.
+    """
+    p = getattr(request, "sampling_params", None)
+    if p is None:
+        return True
+    return not (
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        or p.bad_words or p.logit_bias or p.allowed_token_ids
+        or (p.min_tokens and len(request.output_token_ids) < p.min_tokens)
+        or p.structured_outputs is not None or p.logprobs is not None
+    )
 
 
 def _tokens_left(request: Any) -> int:
