@@ -4,7 +4,8 @@ The tests' "vLLM alone" baseline runs here with ``VLLM_PLUGINS=""`` (once a proc
 plugin, its patches stay), and the plain plugin-loaded run with the plugin allowed.
 
 JOB (json): {"engine": {LLM kwargs}, "runs": [{"prompts": [[token ids]], "params": {...}}]}
-            ("params" may also be a list: one dict per prompt)
+            ("params" may also be a list: one dict per prompt; "metrics": true adds vLLM's
+            metrics to OUT)
 OUT (json): {"plugin_patched": bool, "outputs": [[[token ids] per prompt] per run]}
 """
 
@@ -29,8 +30,11 @@ def main(job_file: str, out_file: str) -> None:
         results = llm.generate(prompts, params, use_tqdm=False)
         outputs.append([list(r.outputs[0].token_ids) for r in results])
     patched = hasattr(EngineArgs.create_speculative_config, "_vllm_redrafter_patched")
+    result = {"plugin_patched": patched, "outputs": outputs}
+    if job.get("metrics"):  # counters and gauges (needs disable_log_stats=False)
+        result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     with open(out_file, "w") as f:
-        json.dump({"plugin_patched": patched, "outputs": outputs}, f)
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,11 @@ def engine_kwargs(target_dir: Path) -> dict:
 
 
 GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS)
+STOPPING = {  # greedy runs that end early: a stop token (as EOS would), a stop string, max_tokens
+    "stop_token": dict(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[30]),  # "."
+    "stop_string": dict(temperature=0.0, max_tokens=MAX_TOKENS, stop=[" and"]),
+    "max_tokens": dict(temperature=0.0, max_tokens=37),
+}
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -89,8 +95,10 @@ def subprocess_runs(target_dir, prompts, tmp_path_factory) -> dict[str, dict]:
     # (name, VLLM_PLUGINS, prompts): the plugin-loaded plain run needs only a few prompts.
     for name, plugins, subset in (("alone", "", prompts), ("plugin_loaded", None, prompts[:4])):
         job = work / f"{name}_job.json"
-        job.write_text(json.dumps({"engine": engine_kwargs(target_dir),
-                                   "runs": [{"prompts": subset, "params": GREEDY}]}))
+        runs = [{"prompts": subset, "params": GREEDY}]
+        if name == "alone":  # where stop conditions fall mid-path
+            runs += [{"prompts": prompts, "params": p} for p in STOPPING.values()]
+        job.write_text(json.dumps({"engine": engine_kwargs(target_dir), "runs": runs}))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         env.pop("VLLM_PLUGINS", None)
         if plugins is not None:
@@ -109,6 +117,12 @@ def subprocess_runs(target_dir, prompts, tmp_path_factory) -> dict[str, dict]:
 def alone(subprocess_runs) -> list[list[int]]:
     """vLLM alone, greedy, MAX_TOKENS tokens per prompt: what redrafter must reproduce."""
     return subprocess_runs["alone"]["outputs"][0]
+
+
+@pytest.fixture(scope="module")
+def alone_stopping(subprocess_runs) -> dict[str, list[list[int]]]:
+    """vLLM alone under each STOPPING condition."""
+    return dict(zip(STOPPING, subprocess_runs["alone"]["outputs"][1:]))
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +307,41 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     off_beam_0 = (verifier.num_kv_moves - moved) / (verifier.num_tree_verifications - verified)
     print(f"accepted path off beam 0 (KV moved) in {off_beam_0:.0%} of verify steps (W=1 half)")
     assert off_beam_0 >= 0.15  # half the requests are W = 1 chains, which never move KV
+
+
+def test_stop_conditions_mid_path_stop_where_vllm_alone_stops(llm, proposer, prompts, alone,
+                                                              alone_stopping):
+    """Teacher-forced trees (long accepted paths, W = 4, L = 5): a stop token, a stop string or
+    max_tokens falling inside an accepted path ends the output exactly where vLLM alone ends it."""
+    proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=3)
+    for name, params in STOPPING.items():
+        outputs = generate(llm, prompts, [{**params, **beam_shape(4, 5)}] * len(prompts))
+        got = [list(o.outputs[0].token_ids) for o in outputs]
+        assert got == alone_stopping[name], name
+        if name != "max_tokens":
+            assert sum(len(g) < MAX_TOKENS for g in got) >= 5, name  # it did stop early
+    assert sum(t.count(30) for t in alone) >= 20  # "." occurs: the stop token is exercised
+
+
+def test_preemption_with_a_small_kv_cache(target_dir, drafter_dir, prompts, alone, tmp_path):
+    """A KV cache too small for the batch: vLLM preempts and recomputes; output unchanged."""
+    engine = {**engine_kwargs(target_dir), "max_model_len": 256,
+              "kv_cache_memory_bytes": 24 << 20, "disable_log_stats": False,
+              "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
+                                     "beam_width": 4, "beam_length": 5}}
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"engine": engine, "runs": [{"prompts": prompts, "params": GREEDY}],
+                               "metrics": True}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("VLLM_PLUGINS", None)
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"), str(job),
+                          str(tmp_path / "out.json")], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["outputs"][0] == alone
+    print(f"\npreemptions: {out['metrics'].get('vllm:num_preemptions')}")
+    assert out["metrics"].get("vllm:num_preemptions", 0) > 0
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -504,9 +553,19 @@ def test_server_answers_chat_and_streaming_and_reports_metrics(target_dir, draft
             metrics = response.read().decode()
         drafts = _metric(metrics, "vllm:spec_decode_num_drafts_total")
         draft_tokens = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
-        # beam_length 3 reached the worker process: 2 draft tokens per step, fewer only where
-        # max_tokens leaves no room
-        assert 0 < drafts < draft_tokens <= 2 * drafts
+        # W=2, L=3 reached the worker process: trees of at most 2 x 2 draft nodes per step
+        assert 0 < drafts < draft_tokens <= 4 * drafts
+        # 32 concurrent requests, greedy and sampled, different beam shapes: none lost or hung
+        requests = [{"model": model, "prompt": f"Tell me a fact about the number {i}.",
+                     "max_tokens": 24, "temperature": [0.0, 0.7, 1.0, 1.3][i % 4],
+                     "vllm_xargs": {"redrafter_beam_width": 1 + i % 4}} for i in range(32)]
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            answers = list(pool.map(lambda r: json.loads(_post(f"{base}/v1/completions", r)),
+                                    requests))
+        for answer in answers:
+            choice = answer["choices"][0]
+            assert choice["finish_reason"] in ("length", "stop")
+            assert 1 <= answer["usage"]["completion_tokens"] <= 24
     finally:
         # SIGINT to the server process alone, as `kill -INT` or a service manager would: a signal
         # to the whole process group also hits the engine core directly, which may die before the
