@@ -156,3 +156,14 @@ def test_tree_attention_over_a_vllm_written_cache_and_kv_moves():
         block, offset = divmod(int(slots[context + moved]), block_size)
         assert torch.equal(key_view[block, offset], keys[context + source])
         assert torch.equal(value_view[block, offset], values[context + source])
+
+
+@pytest.mark.parametrize("module", ["vllm_redrafter.tree", "vllm_redrafter.verify",
+                                    "vllm_redrafter.sampling", "vllm_redrafter.vllm_plugin.tree_step",
+                                    "vllm_redrafter.patches.runner_hidden_states"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

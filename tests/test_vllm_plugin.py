@@ -617,7 +617,7 @@ SAMPLING_ARMS = {"t1": {"temperature": 1.0}, "t07_p09": {"temperature": 0.7, "to
 
 
 def sampling_params(arm: str) -> list[dict]:
-    return [{**SAMPLING_ARMS[arm], "seed": i, "max_tokens": 4} for i in range(NUM_SAMPLES)]
+    return [{**SAMPLING_ARMS[arm], "seed": i, "max_tokens": 3} for i in range(NUM_SAMPLES)]
 
 
 @pytest.fixture(scope="module")
@@ -707,7 +707,9 @@ def test_prompt_leaves_room_for_bias(alone_samples):
 
 @pytest.mark.parametrize("arm", list(SAMPLING_ARMS))
 def test_tree_sampling_matches_vllm_alone(llm, proposer, sampling_prompt, alone_samples, arm):
-    """Tokens 2 and 3 (one tree-verify step, W=4, L=3) distributed as vLLM alone samples them."""
+    """Tokens 2 and 3 distributed as vLLM alone samples them (W=4; with max_tokens=3 the proposer
+    caps the beams at depth 1, so token 2 is a tree node or the root's sample, and token 3 the
+    sample at the accepted node: one tree-verify step, or the next step after a rejection)."""
     proposer.beam_source = TopTokenBeams(proposer.target)
     verifier = verifier_of(llm)
     moved = verifier.num_kv_moves
