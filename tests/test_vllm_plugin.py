@@ -718,7 +718,7 @@ def test_tree_sampling_matches_vllm_alone(llm, proposer, sampling_prompt, alone_
     ours = [list(o.outputs[0].token_ids) for o in outputs]
     p_value = two_sample_chi_square(joint_counts(ours), joint_counts(alone_samples[arm]))
     print(f"\n{arm}: p = {p_value:.3f}, accepted paths off beam 0: {verifier.num_kv_moves - moved}")
-    assert verifier.num_kv_moves - moved > NUM_SAMPLES // 4  # the walks did leave beam 0
+    assert verifier.num_kv_moves - moved > NUM_SAMPLES // 10  # the walks did leave beam 0
     assert p_value > 0.01
 
 
