@@ -125,11 +125,13 @@ class TreeVerifier(nn.Module):
         runner = self.runner
         states = [runner.requests[runner.input_batch.req_ids[b]].sampling_params for b in reqs]
         generators = sampling_metadata.generators or {}
-        return SamplingParamsBatch.from_lists(
+        top_k = [p.top_k if p.top_k and p.top_k > 0 else 0 for p in states]
+        top_p, min_p = [p.top_p for p in states], [p.min_p for p in states]
+        return SamplingParamsBatch.from_lists(  # a filter no request uses is left off (no sort)
             temperature=[p.temperature for p in states],
-            top_k=[p.top_k if p.top_k and p.top_k > 0 else 0 for p in states],
-            top_p=[p.top_p for p in states],
-            min_p=[p.min_p for p in states],
+            top_k=top_k if any(top_k) else None,
+            top_p=top_p if any(v < 1.0 for v in top_p) else None,
+            min_p=min_p if any(v > 0.0 for v in min_p) else None,
             device=device,
         ).with_generators({r: generators[b] for r, b in enumerate(reqs) if b in generators})
 
