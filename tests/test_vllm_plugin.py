@@ -286,7 +286,7 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=2)
     shapes = [beam_shape(1 if i % 2 else 4, 5) for i in range(len(prompts))]
     verifier = verifier_of(llm)
-    verified, moved = verifier.num_tree_verifications, verifier.num_kv_moves
+    branching, moved = verifier.num_branching_verifications, verifier.num_kv_moves
     before = spec_metrics(llm)
     outputs = generate(llm, prompts, [{**GREEDY, **s} for s in shapes])
     after = spec_metrics(llm)
@@ -303,10 +303,11 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     print(f"\nteacher-forced: accepted >= 2 in {at_least_2:.0%} of {drafts} steps, "
           f"{accepted / drafts:.2f} accepted draft tokens per step, per position {per_position}")
     assert at_least_2 >= 0.3, f"only {at_least_2:.0%} of steps accepted >= 2 draft tokens"
-    # the winning path left beam 0 (so its KV moved) in a good share of the tree (W = 4) steps
-    off_beam_0 = (verifier.num_kv_moves - moved) / (verifier.num_tree_verifications - verified)
-    print(f"accepted path off beam 0 (KV moved) in {off_beam_0:.0%} of verify steps (W=1 half)")
-    assert off_beam_0 >= 0.15  # half the requests are W = 1 chains, which never move KV
+    # the winning path left beam 0 (so its KV moved) in >= 30% of the tree (W = 4) steps
+    off_beam_0 = ((verifier.num_kv_moves - moved)
+                  / (verifier.num_branching_verifications - branching))
+    print(f"accepted path off beam 0 (KV moved) in {off_beam_0:.0%} of branching-tree steps")
+    assert off_beam_0 >= 0.3
 
 
 def test_stop_conditions_mid_path_stop_where_vllm_alone_stops(llm, proposer, prompts, alone,
@@ -644,16 +645,19 @@ def alone_samples(target_dir, sampling_prompt, tmp_path_factory) -> dict[str, li
 
 
 class TopTokenBeams:
-    """Beams whose first draft tokens are the target's own W most likely next tokens (from h).
+    """Beams whose first draft tokens are the target's own W most likely tokens after g0.
 
-    Depth 1 is accepted often, so the 2nd and 3rd emitted tokens come from walks that leave beam
-    0 (KV moved, tree-masked logits). Deeper tokens repeat the top token (rarely right). With
-    ``q`` set, beams also carry a draft distribution putting 1/2 on each drafted token: what the
-    p/q rejection mode reads (and is biased by).
+    ``next_top`` maps g0 (the sampled first token) to the target's top next tokens given the
+    sampling prompt and g0, computed by vLLM beforehand (``h`` predicts g0 itself, not the token
+    after it). Depth 1 is then accepted often, so the 2nd and 3rd emitted tokens come from walks
+    that leave beam 0 (KV moved, tree-masked logits). Deeper tokens repeat the top one; a g0 not
+    in the table drafts its own top tokens again (rarely right). With ``q`` set, beams also carry
+    a draft distribution putting 1/2 on each drafted token: what the p/q rejection mode reads
+    (and is biased by).
     """
 
-    def __init__(self, target, q: bool = False):
-        self.target, self.q = target, q
+    def __init__(self, next_top: dict[int, list[int]], q: bool = False):
+        self.next_top, self.q = next_top, q
 
     def __call__(self, h, g0, beam_width, beam_length, requests):
         from vllm_redrafter.beam_search import BeamSearchOutput
@@ -661,15 +665,31 @@ class TopTokenBeams:
         B = h.shape[0]
         W = int(beam_width) if not torch.is_tensor(beam_width) else int(beam_width.max())
         L = int(beam_length) if not torch.is_tensor(beam_length) else int(beam_length.max())
-        top = self.target.compute_logits(h).float().topk(W, dim=-1).indices  # [B, W]
-        beams = torch.cat([g0[:, None, None].expand(B, W, 1), top[:, :, None],
-                           top[:, :1, None].expand(B, W, L - 2)], dim=2)
+        fallback = [[int(g)] * W for g in g0.tolist()]
+        top = torch.tensor([self.next_top.get(int(g), fallback[b])[:W]
+                            for b, g in enumerate(g0.tolist())])  # [B, W]
+        beams = torch.cat([g0[:, None, None].expand(B, W, 1).cpu(), top[:, :, None],
+                           top[:, :1, None].expand(B, W, L - 2)], dim=2).to(g0.device)
         scores = -torch.arange(W, dtype=torch.float32).expand(B, W)
         log_probs = None
         if self.q:
             log_probs = torch.full((B, W, L - 1, VOCAB), math.log(0.5 / (VOCAB - 1)))
-            log_probs.scatter_(-1, beams[:, :, 1:, None], math.log(0.5))
+            log_probs.scatter_(-1, beams[:, :, 1:, None].cpu(), math.log(0.5))
         return BeamSearchOutput(beams=beams, scores=scores, log_probs=log_probs)
+
+
+@pytest.fixture(scope="module")
+def next_top(llm, sampling_prompt, alone_samples) -> dict[int, list[int]]:
+    """The target's 4 most likely tokens after (prompt, g0), for every first token g0 that vLLM
+    alone sampled (requests with logprobs get no drafts: vLLM's own sampler answers them)."""
+    firsts = sorted({o[0] for outputs in alone_samples.values() for o in outputs})
+    outputs = generate(llm, [sampling_prompt + [g] for g in firsts],
+                       [{"max_tokens": 1, "temperature": 0.0, "logprobs": 4}] * len(firsts))
+    table = {}
+    for g, output in zip(firsts, outputs):
+        ranked = sorted(output.outputs[0].logprobs[0].items(), key=lambda kv: kv[1].rank)
+        table[g] = [token for token, _ in ranked][:4]
+    return table
 
 
 def joint_counts(outputs: list[list[int]]) -> Counter:
@@ -706,11 +726,12 @@ def test_prompt_leaves_room_for_bias(alone_samples):
 
 
 @pytest.mark.parametrize("arm", list(SAMPLING_ARMS))
-def test_tree_sampling_matches_vllm_alone(llm, proposer, sampling_prompt, alone_samples, arm):
+def test_tree_sampling_matches_vllm_alone(llm, proposer, sampling_prompt, alone_samples, next_top,
+                                          arm):
     """Tokens 2 and 3 distributed as vLLM alone samples them (W=4; with max_tokens=3 the proposer
     caps the beams at depth 1, so token 2 is a tree node or the root's sample, and token 3 the
     sample at the accepted node: one tree-verify step, or the next step after a rejection)."""
-    proposer.beam_source = TopTokenBeams(proposer.target)
+    proposer.beam_source = TopTokenBeams(next_top)
     verifier = verifier_of(llm)
     moved = verifier.num_kv_moves
     outputs = generate(llm, [sampling_prompt] * NUM_SAMPLES,
@@ -722,9 +743,10 @@ def test_tree_sampling_matches_vllm_alone(llm, proposer, sampling_prompt, alone_
     assert p_value > 0.01
 
 
-def test_pq_rejection_mode_is_detectably_biased(llm, proposer, sampling_prompt, alone_samples):
+def test_pq_rejection_mode_is_detectably_biased(llm, proposer, sampling_prompt, alone_samples,
+                                                next_top):
     """Apple's p/q rejection (opt-in) on the same setup: the test above has the power to see it."""
-    proposer.beam_source = TopTokenBeams(proposer.target, q=True)
+    proposer.beam_source = TopTokenBeams(next_top, q=True)
     params = [{**p, "extra_args": {"redrafter_beam_width": 4, "redrafter_beam_length": 3,
                                    "redrafter_verification": "rejection"}}
               for p in sampling_params("t1")]

@@ -48,6 +48,7 @@ class TreeVerifier(nn.Module):
         self.pending: TreeStep | None = None  # set by the runner patch for the step's forward
         self.last_step: TreeStep | None = None  # the verified step (its last_nodes feed drafting)
         self.num_tree_verifications = 0  # requests verified with drafts
+        self.num_branching_verifications = 0  # of those, trees that branch (not chains)
         self.num_kv_moves = 0  # of those, the ones whose accepted path left beam 0 (KV moved)
 
     @property
@@ -138,6 +139,7 @@ class TreeVerifier(nn.Module):
     def _move_accepted_kv(self, step: TreeStep, paths: dict[int, list[int]]) -> None:
         src, dst = step.kv_moves(paths)
         self.num_tree_verifications += len(paths)
+        self.num_branching_verifications += sum(not step.trees[b].is_chain for b in paths)
         self.num_kv_moves += sum(any(node != d for d, node in enumerate(p)) for p in paths.values())
         if not src:
             return
