@@ -68,7 +68,18 @@ def _trees_supported(runner: Any) -> bool:
     if not ok:
         logger.warning("ReDrafter: this model's attention cannot mask draft trees here (backend, "
                        "cache layout or KV groups); drafting chains (beam_width 1)")
+    elif _full_cudagraphs(runner):
+        logger.warning("ReDrafter: full CUDA graphs replay attention without the tree mask; "
+                       "drafting chains (beam_width 1). For trees, pass compilation_config="
+                       "{'cudagraph_mode': 'PIECEWISE'} (or enforce_eager)")
+        ok = False
     return ok
+
+
+def _full_cudagraphs(runner: Any) -> bool:
+    """Whether steps may replay a full CUDA graph (attention inside it, not run in Python)."""
+    mode = getattr(runner.compilation_config, "cudagraph_mode", None)
+    return mode is not None and mode.has_full_cudagraphs()
 
 
 def _prepare_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:

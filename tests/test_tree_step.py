@@ -132,22 +132,12 @@ def test_tree_attention_over_a_vllm_written_cache_and_kv_moves():
     words = ancestor_words(tree.parent)
     out = tree_attention_reference(q, key_view, value_view, block_table, torch.tensor([0, nodes]),
                                    torch.tensor([context]), words)
-    mask = torch.zeros(nodes, context + nodes, dtype=torch.bool)
-    mask[:, :context] = True
-    for j in range(nodes):
-        a = j
-        while a >= 0:
-            mask[j, context + a] = True
-            a = tree.parent[a]
-    k = keys.repeat_interleave(hq // hkv, 1).transpose(0, 1)
-    v = values.repeat_interleave(hq // hkv, 1).transpose(0, 1)
-    dense = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+    dense = dense_tree_attention(q, keys, values, context, tree.parent)
     torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
 
     # accept root -> 4 -> 6 (beam 3): nodes 4 and 6 move to positions context + 1, + 2
     impl = object.__new__(attention.TreeCPUAttentionImpl)
-    impl.kv_cache_dtype = "auto"
+    impl.kv_cache_dtype, impl.attn_type = "auto", attention.AttentionType.DECODER
     layer = type("Layer", (), {"isa": "vec", "_k_scale_float": 1.0, "_v_scale_float": 1.0})()
     src = slots[torch.tensor([context + 4, context + 6])]
     dst = slots[torch.tensor([context + 1, context + 2])]
@@ -156,6 +146,114 @@ def test_tree_attention_over_a_vllm_written_cache_and_kv_moves():
         block, offset = divmod(int(slots[context + moved]), block_size)
         assert torch.equal(key_view[block, offset], keys[context + source])
         assert torch.equal(value_view[block, offset], values[context + source])
+
+
+# -- the CUDA backend's path, run on CPU with FlashAttention's kernels swapped for torch --------
+
+
+def dense_tree_attention(q, keys, values, context: int, parent) -> torch.Tensor:
+    """Each node attends to the context and its ancestors (and itself): SDPA with a dense mask."""
+    nodes = len(parent)
+    mask = torch.zeros(nodes, context + nodes, dtype=torch.bool)
+    mask[:, :context] = True
+    for j in range(nodes):
+        a = j
+        while a >= 0:
+            mask[j, context + a] = True
+            a = parent[a]
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, 1).transpose(0, 1)
+    v = values.repeat_interleave(group, 1).transpose(0, 1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k, v, attn_mask=mask).transpose(0, 1)
+
+
+@pytest.fixture
+def flash_impl(monkeypatch):
+    """vLLM's FlashAttention impl with our tree mixin, built on CPU; its CUDA kernels (causal
+    attention, the cache write) replaced by torch equivalents."""
+    flash = pytest.importorskip("vllm.v1.attention.backends.flash_attn")
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    from vllm_redrafter.target import prepare_target
+    from vllm_redrafter.vllm_plugin.flash_attention import TreeFlashAttentionImpl
+
+    def write_cache(key, value, key_cache, value_cache, slot_mapping, *args):
+        block_size = key_cache.shape[1]
+        key_cache[slot_mapping // block_size, slot_mapping % block_size] = key
+        value_cache[slot_mapping // block_size, slot_mapping % block_size] = value
+
+    def causal_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        key_cache, value_cache = self.tree_cache_views(layer, kv_cache)
+        starts = attn_metadata.query_start_loc.tolist()
+        for b in range(len(starts) - 1):
+            n = starts[b + 1] - starts[b]
+            chain = ancestor_words(list(range(-1, n - 1)))
+            out = tree_attention_reference(
+                query[starts[b]:starts[b + 1]], key_cache, value_cache,
+                attn_metadata.block_table[b:b + 1], torch.tensor([0, n]),
+                attn_metadata.seq_lens[b:b + 1].long() - n, chain, scale=self.scale)
+            output[starts[b]:starts[b + 1]] = out.reshape(n, -1)
+        return output
+
+    monkeypatch.setattr(flash, "reshape_and_cache_flash", write_cache, raising=False)  # CUDA-only name
+    monkeypatch.setattr(flash.FlashAttentionImpl, "forward", causal_forward)
+    config = VllmConfig(model_config=ModelConfig(model=str(prepare_target()), dtype="float32"))
+    with set_current_vllm_config(config):
+        return TreeFlashAttentionImpl(num_heads=9, head_size=64, scale=64 ** -0.5, num_kv_heads=3,
+                                      alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+
+
+def test_flash_backend_tree_path_with_kernels_swapped(flash_impl):
+    """The CUDA backend's code path: a tree request and a plain decode row in one step; the tree
+    rows get the tree mask, the plain row keeps vLLM's output; then a KV move by vLLM's write."""
+    from types import SimpleNamespace
+
+    from vllm_redrafter.vllm_plugin.attention import layers_support_trees, tree_attention
+    from vllm_redrafter.vllm_plugin.tree_step import TreeStep
+
+    torch.manual_seed(0)
+    impl, hkv, hq, dim, block_size = flash_impl, 3, 9, 64, 16
+    kv_cache = torch.zeros(8, hkv, block_size, 2 * dim)  # FlashAttention's [blocks, Hkv, bs, 2D]
+    layer = SimpleNamespace(impl=impl, kv_cache=kv_cache, _k_scale=torch.tensor(1.0),
+                            _v_scale=torch.tensor(1.0))
+    assert impl.supports_trees and layers_support_trees({"layer": layer})
+    tree = request_tree()
+    nodes, contexts = len(tree.tokens), (40, 20)
+    block_table = torch.tensor([[5, 1, 7, 0], [2, 3, 0, 0]])
+    lengths = (contexts[0] + nodes, contexts[1] + 1)  # request 1: a plain decode row
+    keys = [torch.randn(n, hkv, dim) for n in lengths]
+    values = [torch.randn(n, hkv, dim) for n in lengths]
+    slots = []
+    for b, n in enumerate(lengths):
+        pos = torch.arange(n)
+        slots.append(block_table[b, pos // block_size] * block_size + pos % block_size)
+        impl.do_kv_cache_update(layer, keys[b], values[b], kv_cache, slots[b])
+    q = torch.randn(nodes + 1, hq, dim)
+    metadata = SimpleNamespace(seq_lens=torch.tensor(lengths, dtype=torch.int32),
+                               block_table=block_table, num_actual_tokens=nodes + 1,
+                               query_start_loc=torch.tensor([0, nodes, nodes + 1]))
+    step = TreeStep(trees=[tree, None], root_rows=[0, -1])
+    output = torch.zeros(nodes + 1, hq * dim)
+    with tree_attention(step.attention_inputs(q.device)):
+        impl.forward(layer, q, None, None, kv_cache, metadata, output)
+    output = output.view(nodes + 1, hq, dim)
+    tree_rows = dense_tree_attention(q[:nodes], keys[0], values[0],
+                                     contexts[0], tree.parent)
+    torch.testing.assert_close(output[:nodes], tree_rows, atol=1e-5, rtol=1e-5)
+    plain = dense_tree_attention(q[nodes:], keys[1], values[1],
+                                 contexts[1], [-1])
+    torch.testing.assert_close(output[nodes:], plain, atol=1e-5, rtol=1e-5)
+
+    # accept root -> 4 -> 6 (beam 3): nodes 4 and 6 move to positions context + 1, + 2
+    src = slots[0][torch.tensor([contexts[0] + 4, contexts[0] + 6])]
+    dst = slots[0][torch.tensor([contexts[0] + 1, contexts[0] + 2])]
+    impl.move_kv(layer, kv_cache, src, dst)
+    key_view, value_view = impl.tree_cache_views(layer, kv_cache)
+    for moved, source in ((1, 4), (2, 6)):
+        block, offset = divmod(int(slots[0][contexts[0] + moved]), block_size)
+        assert torch.equal(key_view[block, offset], keys[0][contexts[0] + source])
+        assert torch.equal(value_view[block, offset], values[0][contexts[0] + source])
 
 
 @pytest.mark.parametrize("module", ["vllm_redrafter.tree", "vllm_redrafter.verify",

@@ -188,9 +188,12 @@ def accepted_depth(drafts, parents, continuation) -> int:
     return depth
 
 
-def verifier_of(llm):
+def verifier_counts(llm) -> dict[str, int]:
+    """The tree verifier's counters (zeros before its first step: it is installed lazily)."""
     core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner.rejection_sampler
+    verifier = core.model_executor.driver_worker.worker.model_runner.rejection_sampler
+    names = ("num_tree_verifications", "num_branching_verifications", "num_kv_moves")
+    return {name: getattr(verifier, name, 0) for name in names}
 
 
 class TeacherForcedBeams:
@@ -285,8 +288,7 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     """
     proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=2)
     shapes = [beam_shape(1 if i % 2 else 4, 5) for i in range(len(prompts))]
-    verifier = verifier_of(llm)
-    branching, moved = verifier.num_branching_verifications, verifier.num_kv_moves
+    counts_before = verifier_counts(llm)
     before = spec_metrics(llm)
     outputs = generate(llm, prompts, [{**GREEDY, **s} for s in shapes])
     after = spec_metrics(llm)
@@ -304,8 +306,8 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
           f"{accepted / drafts:.2f} accepted draft tokens per step, per position {per_position}")
     assert at_least_2 >= 0.3, f"only {at_least_2:.0%} of steps accepted >= 2 draft tokens"
     # the winning path left beam 0 (so its KV moved) in >= 30% of the tree (W = 4) steps
-    off_beam_0 = ((verifier.num_kv_moves - moved)
-                  / (verifier.num_branching_verifications - branching))
+    counts = {k: v - counts_before[k] for k, v in verifier_counts(llm).items()}
+    off_beam_0 = counts["num_kv_moves"] / counts["num_branching_verifications"]
     print(f"accepted path off beam 0 (KV moved) in {off_beam_0:.0%} of branching-tree steps")
     assert off_beam_0 >= 0.3
 
@@ -732,14 +734,14 @@ def test_tree_sampling_matches_vllm_alone(llm, proposer, sampling_prompt, alone_
     caps the beams at depth 1, so token 2 is a tree node or the root's sample, and token 3 the
     sample at the accepted node: one tree-verify step, or the next step after a rejection)."""
     proposer.beam_source = TopTokenBeams(next_top)
-    verifier = verifier_of(llm)
-    moved = verifier.num_kv_moves
+    moved = verifier_counts(llm)["num_kv_moves"]
     outputs = generate(llm, [sampling_prompt] * NUM_SAMPLES,
                        [{**p, **beam_shape(4, 3)} for p in sampling_params(arm)])
     ours = [list(o.outputs[0].token_ids) for o in outputs]
     p_value = two_sample_chi_square(joint_counts(ours), joint_counts(alone_samples[arm]))
-    print(f"\n{arm}: p = {p_value:.3f}, accepted paths off beam 0: {verifier.num_kv_moves - moved}")
-    assert verifier.num_kv_moves - moved > NUM_SAMPLES // 10  # the walks did leave beam 0
+    moved = verifier_counts(llm)["num_kv_moves"] - moved
+    print(f"\n{arm}: p = {p_value:.3f}, accepted paths off beam 0: {moved}")
+    assert moved > NUM_SAMPLES // 10  # the walks did leave beam 0
     assert p_value > 0.01
 
 

@@ -11,7 +11,8 @@ The seam (see ../shared/VLLM_SEAM.md):
 - ``proposer``: :class:`~vllm_redrafter.vllm_plugin.proposer.ReDrafterProposer`, the drafter's
   beam search on the target's hidden state, packed into a dynamic tree per request;
 - ``tree_step``: a step's trees lined up with what vLLM scheduled (positions, masks, KV moves);
-- ``attention``: vLLM's CPU attention plus the tree mask on verify steps;
+- ``attention``: vLLM's CPU attention plus the tree mask on verify steps (``flash_attention``:
+  the same on CUDA);
 - ``verifier``: the tree verifier in place of vLLM's rejection sampler.
 """
 
@@ -23,19 +24,23 @@ logger = logging.getLogger(__name__)
 
 
 def _register_tree_attention() -> None:
-    """Put the tree-capable subclass of vLLM's CPU attention in ``CPU_ATTN``'s place.
+    """Put the tree-capable subclass of vLLM's attention backend in its place.
 
-    It behaves as vLLM's own outside ReDrafter tree steps (``vllm_plugin/attention.py``).
+    ``CPU_ATTN`` on CPU (``vllm_plugin/attention.py``), ``FLASH_ATTN`` on CUDA
+    (``vllm_plugin/flash_attention.py``). Each behaves as vLLM's own outside ReDrafter tree
+    steps; with another backend, ReDrafter drafts chains.
     """
     from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from vllm_redrafter.vllm_plugin.attention import BACKEND_PATH
+    if current_platform.is_cpu():
+        from vllm_redrafter.vllm_plugin.attention import BACKEND_PATH
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+        register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    elif current_platform.is_cuda():
+        from vllm_redrafter.vllm_plugin.flash_attention import BACKEND_PATH
+
+        register_backend(AttentionBackendEnum.FLASH_ATTN, BACKEND_PATH)
 
 
 def register() -> None:

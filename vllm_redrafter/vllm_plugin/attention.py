@@ -14,7 +14,10 @@ AMX, ...) a block's K is stored transposed, ``[heads, head_dim, block_size]``, V
 writing probe tokens with vLLM's own ``cpu_attn_reshape_and_cache`` (once per ISA and shape). An
 ISA whose layout is not known (AMX packs K/V differently) gets no trees: the proposer then drafts
 chains, whose causal mask is already right. Moving KV after verification also writes with vLLM's
-op (:meth:`TreeCPUAttentionImpl.move_kv`).
+op (:meth:`TreeAttentionMixin.move_kv`, through the impl's ``do_kv_cache_update``).
+
+:class:`TreeAttentionMixin` is the backend-independent part; ``flash_attention.py`` mixes it into
+vLLM's FlashAttention for CUDA.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor
 from vllm import _custom_ops as ops
+from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
@@ -51,21 +55,30 @@ def tree_attention(inputs: TreeAttentionInputs | None):
         _ACTIVE.reset(token)
 
 
-class TreeCPUAttentionBackend(CPUAttentionBackend):
-    @staticmethod
-    def get_impl_cls() -> type[TreeCPUAttentionImpl]:
-        return TreeCPUAttentionImpl
+class TreeAttentionMixin:
+    """Tree rows on top of a vLLM attention impl: the same code for every backend.
 
-
-class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, plus the tree rows of a verify step (module docstring)."""
+    Mixed in before vLLM's impl class: ``forward`` runs vLLM's (causal) attention for every row,
+    then, inside a tree step, recomputes the tree rows with the ancestor mask from the paged cache
+    (:func:`~vllm_redrafter.kernels.paged_tree_attention`: Triton on CUDA, torch elsewhere).
+    A backend only says where its cache keeps K and V (:meth:`tree_cache_views`, as
+    ``[num_blocks, block_size, Hkv, D]`` strided views) and whether it can prove that layout
+    (:meth:`tree_layout_known`); KV moves write with the impl's own ``do_kv_cache_update``.
+    """
 
     @property
     def supports_trees(self) -> bool:
-        plain = (self.attn_type == AttentionType.DECODER and self.alibi_slopes is None
-                 and self.sliding_window == -1 and not self.logits_soft_cap
-                 and self.sinks is None and not self.is_fp8_kv_cache)
-        return plain
+        """Plain causal decoder attention: what the tree kernel computes."""
+        return (self.attn_type == AttentionType.DECODER and self.alibi_slopes is None
+                and self.sliding_window in (-1, None, (-1, -1)) and not self.logits_soft_cap
+                and self.sinks is None and not is_quantized_kv_cache(self.kv_cache_dtype)
+                and getattr(self, "dcp_world_size", 1) in (1, None))
+
+    def tree_cache_views(self, layer, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def tree_layout_known(self, layer, kv_cache: Tensor) -> bool:
+        raise NotImplementedError
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -76,7 +89,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         if not self.supports_trees:
             raise RuntimeError("ReDrafter tree step on an attention layer without tree support")
-        key_cache, value_cache = cache_views(kv_cache, layer.isa)
+        key_cache, value_cache = self.tree_cache_views(layer, kv_cache)
         context_lens = attn_metadata.seq_lens[tree.requests].long() - tree.num_nodes
         out = paged_tree_attention(
             query[tree.rows], key_cache, value_cache, attn_metadata.block_table[tree.requests],
@@ -87,16 +100,30 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def move_kv(self, layer, kv_cache: Tensor, src_slots: Tensor, dst_slots: Tensor) -> None:
         """Copy the KV of ``src_slots`` to ``dst_slots`` (all sources read before any write)."""
-        key_view, value_view = cache_views(kv_cache, layer.isa)
+        key_view, value_view = self.tree_cache_views(layer, kv_cache)
         block_size = key_view.shape[1]
-        key = key_view[src_slots // block_size, src_slots % block_size].clone()  # [n, Hkv, D]
-        value = value_view[src_slots // block_size, src_slots % block_size].clone()
-        key_cache, value_cache = _raw_caches(kv_cache)
-        ops.cpu_attn_reshape_and_cache(
-            key, value, key_cache, value_cache, dst_slots, layer.isa,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype,
-        )
+        blocks, offsets = src_slots // block_size, src_slots % block_size
+        key = key_view[blocks, offsets].clone()  # [n, Hkv, D]
+        value = value_view[blocks, offsets].clone()
+        self.do_kv_cache_update(layer, key, value, kv_cache, dst_slots)
+
+
+class TreeCPUAttentionImpl(TreeAttentionMixin, CPUAttentionBackendImpl):
+    """vLLM's CPU attention, plus the tree rows of a verify step (module docstring)."""
+
+    def tree_cache_views(self, layer, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        return cache_views(kv_cache, layer.isa)
+
+    def tree_layout_known(self, layer, kv_cache: Tensor) -> bool:
+        _, hkv, block_size, two_d = kv_cache.shape
+        return check_cache_layout(getattr(layer, "isa", ""), block_size, hkv, two_d // 2,
+                                  kv_cache.dtype)
+
+
+class TreeCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[TreeCPUAttentionImpl]:
+        return TreeCPUAttentionImpl
 
 
 def _raw_caches(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -153,13 +180,11 @@ def layers_support_trees(attention_layers: dict) -> bool:
         if getattr(impl, "attn_type", None) != AttentionType.DECODER:
             continue
         found = True
-        if not isinstance(impl, TreeCPUAttentionImpl) or not impl.supports_trees:
+        if not isinstance(impl, TreeAttentionMixin) or not impl.supports_trees:
             return False
         kv_cache = layer.kv_cache
         if not isinstance(kv_cache, Tensor) or kv_cache.dim() != 4:
             return False
-        _, hkv, block_size, two_d = kv_cache.shape
-        if not check_cache_layout(getattr(layer, "isa", ""), block_size, hkv, two_d // 2,
-                                  kv_cache.dtype):
+        if not impl.tree_layout_known(layer, kv_cache):
             return False
     return found
