@@ -1,0 +1,129 @@
+"""The beam policy (beam_policy.py): step-cost curve, acceptance estimates, the shape it picks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_redrafter.beam_policy import (
+    AcceptanceStats,
+    DraftCost,
+    StepCost,
+    candidate_widths,
+    choose_shape,
+)
+
+
+def test_step_cost_interpolates_and_takes_the_median_of_repeats():
+    cost = StepCost.from_measurements([(1, 0.010), (1, 0.011), (1, 0.5), (64, 0.040), (8, 0.012)])
+    assert cost.tokens == (1, 8, 64) and cost.seconds == (0.011, 0.012, 0.040)
+    assert cost(8) == pytest.approx(0.012) and cost(36) == pytest.approx(0.026)
+    assert cost(0) == pytest.approx(0.011)  # never below the one-token step
+
+
+@pytest.mark.parametrize("tokens, seconds", [((1,), (0.1,)), ((8, 1), (0.1, 0.2)),
+                                             ((1, 8), (0.1, 0.0))])
+def test_step_cost_refuses_bad_curves(tokens, seconds):
+    with pytest.raises(ValueError, match="step-cost"):
+        StepCost(tokens, seconds)
+
+
+def test_step_cost_round_trips(tmp_path):
+    cost = StepCost((1, 4, 16), (0.01, 0.02, 0.05))
+    cost.save(tmp_path / "c.json", model="m")
+    assert StepCost.load(tmp_path / "c.json") == cost
+
+
+def test_candidate_widths():
+    assert candidate_widths(1) == [1]
+    assert candidate_widths(12) == [1, 2, 4, 8, 12]
+
+
+def feed(stats: AcceptanceStats, width: int, length: int, p_step: float, n: int, seed: int = 0):
+    """n verified trees where each depth is accepted with p_step given the one before."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        accepted = 0
+        while accepted < length - 1 and rng.random() < p_step:
+            accepted += 1
+        stats.observe(width, length, packed=1 + width * (length - 1) // 2, accepted=accepted)
+
+
+def test_estimates_follow_what_was_measured_and_stay_monotone():
+    stats = AcceptanceStats(decay=1.0, explore=0.0)
+    feed(stats, 1, 5, 0.5, 4000)
+    feed(stats, 4, 5, 0.8, 4000, seed=1)
+    # 1 + p + p^2 + p^3 + p^4
+    assert stats.tokens_per_step(1, 5, [1, 4]) == pytest.approx(1.9375, abs=0.05)
+    assert stats.tokens_per_step(4, 5, [1, 4]) == pytest.approx(3.3616, abs=0.08)
+    assert stats.packed(4, 5) == 1 + 4 * 4 // 2 and stats.packed(8, 5) == 33  # unseen: no sharing
+    # a width never seen is estimated no lower than the narrower measured ones
+    assert stats.tokens_per_step(8, 5, [1, 4, 8]) >= stats.tokens_per_step(4, 5, [1, 4, 8]) - 1e-9
+
+
+def test_free_verification_picks_wide_long_beams_and_costly_verification_turns_drafts_off():
+    stats = AcceptanceStats(decay=1.0, explore=0.0)
+    for width, p in ((1, 0.3), (2, 0.4), (4, 0.5), (8, 0.6)):
+        feed(stats, width, 5, p, 3000, seed=width)
+    no_draft_cost = DraftCost()
+    flat = StepCost((1, 4096), (0.010, 0.0100001))  # verifying more tokens costs nothing
+    choice = choose_shape(1, 8, 5, flat, stats, no_draft_cost)
+    assert (choice.width, choice.length) == (8, 5)
+    linear = StepCost((1, 4096), (0.010, 40.96))  # every token costs a whole step
+    assert choose_shape(1, 8, 5, linear, stats, no_draft_cost).width == 0  # no drafts
+    # the drafter's own cost counts too: a drafter costing a step per beam token is never used
+    slow_drafter = DraftCost()
+    slow_drafter.observe(1, 1, 2, seconds=0.010)
+    assert choose_shape(1, 8, 5, flat, stats, slow_drafter).width < 8
+
+
+def test_a_large_batch_makes_the_policy_narrow_the_beams():
+    stats = AcceptanceStats(decay=1.0, explore=0.0)
+    for width, p in ((1, 0.5), (2, 0.55), (4, 0.6), (8, 0.65)):
+        feed(stats, width, 4, p, 3000, seed=width)
+    # GEMM-bound beyond 64 tokens in total (an H100-like curve, scaled)
+    cost = StepCost((1, 64, 512, 4096), (0.010, 0.011, 0.021, 0.16))
+    wide = choose_shape(1, 8, 4, cost, stats, DraftCost())
+    narrow = choose_shape(32, 8, 4, cost, stats, DraftCost())
+    assert wide.width > narrow.width
+
+
+def test_the_policy_learns_the_best_shape_by_trying():
+    """Simulated drafter (P(accept next) = 1 - 0.6 ** W per depth): starting from nothing, the
+    policy's choices settle on the shape that is best under the true acceptance."""
+    true_p = {w: 1 - 0.6 ** w for w in candidate_widths(16)}
+    cost = StepCost((1, 16, 64, 256), (0.010, 0.011, 0.016, 0.050))
+    stats, draft, rng = AcceptanceStats(), DraftCost(), random.Random(0)
+
+    def true_rate(width: int, length: int) -> float:
+        p, tokens = true_p[width], 1.0
+        for d in range(1, length):
+            tokens += p ** d
+        return tokens / cost(1 + width * (length - 1))
+
+    chosen = []
+    for _ in range(3000):
+        c = choose_shape(1, 16, 5, cost, stats, draft)
+        chosen.append((c.width, c.length))
+        accepted = 0
+        while accepted < c.length - 1 and rng.random() < true_p[c.width]:
+            accepted += 1
+        stats.observe(c.width, c.length, 1 + c.width * (c.length - 1), accepted)
+    best = max(((w, L) for w in true_p for L in range(2, 6)), key=lambda s: true_rate(*s))
+    late = chosen[-500:]
+    achieved = sum(true_rate(*s) for s in late) / len(late)
+    assert achieved >= 0.95 * true_rate(*best), (best, late[-10:])
+
+
+def test_drafting_off_is_retried_as_the_counts_fade():
+    stats = AcceptanceStats(decay=0.99, explore=0.5)
+    feed(stats, 1, 4, 0.0, 500)  # nothing accepted: drafting does not pay
+    cost = StepCost((1, 8), (0.010, 0.030))
+    assert choose_shape(1, 1, 4, cost, stats, DraftCost()).width == 0
+    steps = 0
+    while choose_shape(1, 1, 4, cost, stats, DraftCost()).width == 0:
+        stats.observe_no_drafts(1)
+        steps += 1
+        assert steps < 10_000, "drafting was never tried again"
+    assert steps > 10  # but not at once

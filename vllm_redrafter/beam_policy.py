@@ -1,0 +1,186 @@
+"""The beam policy: per step, the beam shape with the most expected tokens per second of step.
+
+A verify step over a batch of B requests costs one target forward over all their packed tree
+tokens (``StepCost``, measured once per machine and model by ``benchmarks/step_cost.py``) plus the
+drafter's beam search (measured as it runs). It emits, per request, 1 + the accepted draft tokens,
+whose expectation for a beam shape (W, L) is ``1 + sum_{d=1}^{L-1} P(accepted >= d | W)``
+(``AcceptanceStats``, counted from the verified steps). So the policy picks
+
+    argmax over (W, L) of  B * tokens(W, L) / (target(B * packed(W, L)) + draft(B, W, L))
+
+against the plain step, ``B / target(B)``: when no shape beats it, the step goes without drafts.
+Unseen shapes are estimated optimistically (an upper confidence bound), so each is tried and then
+judged by what it measured. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one target forward over ``n`` query tokens in total (the whole batch).
+
+    Piecewise linear between measured points, linear beyond the last two.
+
+    >>> cost = StepCost((1, 8, 64), (0.010, 0.012, 0.040))
+    >>> round(cost(4), 5), round(cost(128), 5)
+    (0.01086, 0.072)
+    """
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) < 2 or len(self.tokens) != len(self.seconds):
+            raise ValueError("a step-cost curve needs >= 2 points, as many tokens as seconds")
+        if list(self.tokens) != sorted(set(self.tokens)) or min(self.seconds) <= 0:
+            raise ValueError("step-cost tokens must increase strictly and seconds be positive")
+
+    @classmethod
+    def from_measurements(cls, points: Iterable[tuple[int, float]]) -> StepCost:
+        """The median time per token count of ``(total tokens, seconds)`` measurements."""
+        by_n: dict[int, list[float]] = {}
+        for n, seconds in points:
+            by_n.setdefault(int(n), []).append(float(seconds))
+        ns = sorted(by_n)
+        return cls(tuple(ns), tuple(sorted(by_n[n])[len(by_n[n]) // 2] for n in ns))
+
+    def __call__(self, n: float) -> float:
+        xs, ys = self.tokens, self.seconds
+        i = 1
+        while i < len(xs) - 1 and n > xs[i]:
+            i += 1
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return max(ys[0], ys[i - 1] + slope * (n - xs[i - 1]))
+
+    def save(self, path: Path, **meta) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({**meta, "tokens": list(self.tokens),
+                                    "seconds": list(self.seconds)}, indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> StepCost:
+        data = json.loads(Path(path).read_text())
+        return cls(tuple(data["tokens"]), tuple(data["seconds"]))
+
+
+@dataclass
+class AcceptanceStats:
+    """Decayed counts, per beam width W, of ``accepted >= d`` and of packed tree sizes.
+
+    A step verified at shape (W, L) with ``a`` accepted drafts tells ``accepted >= d`` for
+    d < L. Estimates are monotone: more depth never accepts more, a wider beam never less.
+    """
+
+    decay: float = 0.999  # per observation: recent steps weigh more (the text changes)
+    explore: float = 0.5  # weight of the upper confidence bound
+    hits: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> accepted >= d
+    trials: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> observations
+    packed_sum: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, L) -> nodes
+    packed_n: dict[tuple[int, int], float] = field(default_factory=dict)
+    total: float = 0.0
+
+    def observe(self, width: int, length: int, packed: int, accepted: int) -> None:
+        """One verified tree: its shape, its packed size (nodes, root included), accepted drafts."""
+        self.total = self.total * self.decay + 1
+        for d in range(1, length):
+            key = (width, d)
+            self.trials[key] = self.trials.get(key, 0.0) * self.decay + 1
+            self.hits[key] = self.hits.get(key, 0.0) * self.decay + (accepted >= d)
+        key = (width, length)
+        self.packed_sum[key] = self.packed_sum.get(key, 0.0) * self.decay + packed
+        self.packed_n[key] = self.packed_n.get(key, 0.0) * self.decay + 1
+
+    def observe_no_drafts(self, batch: int) -> None:
+        """A step without drafts: the counts fade, so drafting is tried again in time."""
+        fade = self.decay ** batch
+        self.total = self.total * fade + batch
+        for counts in (self.hits, self.trials):
+            for key in counts:
+                counts[key] *= fade
+
+    def p_accept(self, width: int, depth: int) -> float:
+        """Upper confidence bound of P(accepted >= depth | width)."""
+        n = self.trials.get((width, depth), 0.0)
+        mean = (self.hits.get((width, depth), 0.0) + 0.5) / (n + 1.0)
+        bonus = self.explore * math.sqrt(math.log(self.total + 2.0) / (n + 1.0))
+        return min(1.0, mean + bonus)
+
+    def tokens_per_step(self, width: int, length: int, widths: Sequence[int]) -> float:
+        """1 + expected accepted drafts at (width, length); ``widths``: the candidate widths."""
+        expected, p_prev = 1.0, 1.0
+        for d in range(1, length):
+            # a wider beam accepts at least what a narrower one does: its estimate is a floor
+            floor = max((self._mean(w, d) for w in widths if w < width), default=0.0)
+            p = min(p_prev, max(self.p_accept(width, d), floor))
+            expected += p
+            p_prev = p
+        return expected
+
+    def packed(self, width: int, length: int) -> float:
+        """Mean packed nodes (root included); before any observation, no sharing assumed."""
+        n = self.packed_n.get((width, length), 0.0)
+        if n == 0:
+            return 1.0 + width * (length - 1)
+        return self.packed_sum[(width, length)] / n
+
+    def _mean(self, width: int, depth: int) -> float:
+        n = self.trials.get((width, depth), 0.0)
+        return self.hits.get((width, depth), 0.0) / n if n else 0.0
+
+
+@dataclass
+class DraftCost:
+    """Seconds of the drafter's beam search, proportional to B * W * (L - 1) (its head GEMMs)."""
+
+    decay: float = 0.98
+    seconds_per_unit: float | None = None
+
+    def observe(self, batch: int, width: int, length: int, seconds: float) -> None:
+        rate = seconds / max(1, batch * width * (length - 1))
+        self.seconds_per_unit = (rate if self.seconds_per_unit is None else
+                                 self.decay * self.seconds_per_unit + (1 - self.decay) * rate)
+
+    def __call__(self, batch: int, width: int, length: int) -> float:
+        return (self.seconds_per_unit or 0.0) * batch * width * (length - 1)
+
+
+@dataclass(frozen=True)
+class Choice:
+    width: int  # 0 when the step goes without drafts
+    length: int
+    tokens_per_second: float
+
+
+def candidate_widths(max_width: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_width`` (itself included)."""
+    widths = [1]
+    while widths[-1] * 2 < max_width:
+        widths.append(widths[-1] * 2)
+    return sorted({*widths, max_width})
+
+
+def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost,
+                 stats: AcceptanceStats, draft: DraftCost, max_nodes: int | None = None) -> Choice:
+    """The beam shape with the most expected tokens per second for this step (module docstring).
+
+    ``max_nodes``: the most draft nodes a request may verify (vLLM's num_speculative_tokens).
+    """
+    best = Choice(0, 0, batch / target(batch))  # no drafts: one token per request
+    widths = candidate_widths(max_width)
+    for width in widths:
+        for length in range(2, max_length + 1):
+            packed = stats.packed(width, length)
+            if max_nodes is not None and packed - 1 > max_nodes:
+                continue
+            seconds = target(batch * packed) + draft(batch, width, length)
+            rate = batch * stats.tokens_per_step(width, length, widths) / seconds
+            if rate > best.tokens_per_second:
+                best = Choice(width, length, rate)
+    return best
