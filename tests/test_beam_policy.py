@@ -118,7 +118,8 @@ def test_the_policy_learns_the_best_shape_by_trying():
 
 def test_drafting_off_is_retried_as_the_counts_fade():
     stats = AcceptanceStats(decay=0.99, explore=0.5)
-    feed(stats, 1, 4, 0.0, 500)  # nothing accepted: drafting does not pay
+    for _ in range(500):  # chains that accept nothing: drafting does not pay
+        stats.observe(1, 4, packed=4, accepted=0)
     cost = StepCost((1, 8), (0.010, 0.030))
     assert choose_shape(1, 1, 4, cost, stats, DraftCost()).width == 0
     steps = 0
