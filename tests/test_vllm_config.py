@@ -86,6 +86,7 @@ def test_explicit_num_speculative_tokens_is_kept(drafter_dir):
         ({"verification": "greedy"}, "verification",
          "one of 'exact', 'rejection', 'typical', got 'greedy'"),
         ({"beam_policy": "dynamic"}, "beam_policy", "one of 'auto', 'fixed', got 'dynamic'"),
+        ({"step_cost": "/nowhere/curve.json"}, "step_cost", "no such file"),
     ],
 )
 def test_bad_values_name_the_field_and_the_allowed_range(drafter_dir, overrides, field, allowed):
@@ -130,6 +131,8 @@ def test_request_overrides(drafter_dir):
     mine = request_settings({"redrafter_beam_width": 1, "redrafter_beam_length": 13,
                              "redrafter_verification": "typical", "other": "x"}, settings)
     assert (mine.beam_width, mine.beam_length, mine.verification) == (1, 13, "typical")
+    assert mine.own_shape and not base.own_shape  # the beam policy leaves a chosen shape alone
+    assert not request_settings({"redrafter_verification": "typical"}, settings).own_shape
 
 
 @pytest.mark.parametrize(

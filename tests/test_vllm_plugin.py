@@ -133,6 +133,7 @@ def llm(target_dir, drafter_dir, subprocess_runs):
 
     engine = LLM(**engine_kwargs(target_dir), disable_log_stats=False, speculative_config={
         "method": "redrafter", "model": str(drafter_dir), "beam_width": 2, "beam_length": 4,
+        "beam_policy": "fixed",  # the same shapes with or without a step-cost curve cached here
         "num_speculative_tokens": 64,  # room for W = 16, L = 5 trees
     })
     yield engine
@@ -146,10 +147,10 @@ def proposer(llm):
     assert hasattr(core, "engine_core"), "the engine must run in-process for these tests"
     runner = core.engine_core.model_executor.driver_worker.worker.model_runner
     proposer = runner.drafter
-    source = proposer.beam_source
+    source, policy = proposer.beam_source, proposer.policy
     proposer.trace = []
     yield proposer
-    proposer.trace, proposer.beam_source = None, source
+    proposer.trace, proposer.beam_source, proposer.policy = None, source, policy
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -312,6 +313,26 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     assert off_beam_0 >= 0.3
 
 
+def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone):
+    """The beam policy in the engine, for requests without their own beam shape: with a step cost
+    where every verified token costs a whole step it never drafts; with a flat one it drafts
+    nearly every step, up to the engine's W = 2, L = 4. Output identical to vLLM alone both ways."""
+    from vllm_redrafter.beam_policy import BeamPolicy, StepCost
+
+    n = 8
+    proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=4)
+    drafted = {}
+    for name, seconds in (("steep", (0.01, 40.96)), ("flat", (0.01, 0.0100001))):
+        proposer.policy = BeamPolicy(StepCost((1, 4096), seconds), max_width=2, max_length=4)
+        proposer.trace = []
+        outputs = generate(llm, prompts[:n], [GREEDY] * n)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == alone[:n], name
+        drafted[name] = sum(bool(r.drafts) for r in proposer.trace) / len(proposer.trace)
+    print(f"\nsteps with drafts: {drafted}")
+    assert drafted["steep"] == 0 and drafted["flat"] > 0.7
+    assert max(len(r.drafts) for r in proposer.trace) > 3  # W = 2 trees were chosen
+
+
 def test_stop_conditions_mid_path_stop_where_vllm_alone_stops(llm, proposer, prompts, alone,
                                                               alone_stopping):
     """Teacher-forced trees (long accepted paths, W = 4, L = 5): a stop token, a stop string or
@@ -331,7 +352,7 @@ def test_preemption_with_a_small_kv_cache(target_dir, drafter_dir, prompts, alon
     engine = {**engine_kwargs(target_dir), "max_model_len": 256,
               "kv_cache_memory_bytes": 24 << 20, "disable_log_stats": False,
               "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
-                                     "beam_width": 4, "beam_length": 5}}
+                                     "beam_width": 4, "beam_length": 5, "beam_policy": "fixed"}}
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"engine": engine, "runs": [{"prompts": prompts, "params": GREEDY}],
                                "metrics": True}))

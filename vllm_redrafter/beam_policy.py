@@ -15,8 +15,11 @@ judged by what it measured. Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import platform
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,3 +187,24 @@ def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost,
             if rate > best.tokens_per_second:
                 best = Choice(width, length, rate)
     return best
+
+
+class BeamPolicy:
+    """The engine's policy state: the measured curve, the running counts, the drafter's cost."""
+
+    def __init__(self, target: StepCost, max_width: int, max_length: int) -> None:
+        self.target, self.max_width, self.max_length = target, max_width, max_length
+        self.stats, self.draft = AcceptanceStats(), DraftCost()
+
+    def choose(self, batch: int, max_nodes: int) -> Choice:
+        return choose_shape(batch, self.max_width, self.max_length, self.target, self.stats,
+                            self.draft, max_nodes)
+
+
+def step_cost_path(model: str, dtype: str, device: str) -> Path:
+    """Where ``benchmarks/step_cost.py`` caches the curve of a model on this machine."""
+    from vllm_redrafter.target import cache_dir
+
+    machine = f"{platform.machine()}|{os.cpu_count()}|{device}"
+    key = hashlib.sha256(f"{model}|{dtype}|{machine}".encode()).hexdigest()[:16]
+    return cache_dir() / "step_cost" / f"{key}.json"

@@ -4,7 +4,7 @@ A user writes one JSON object (DESIGN.md section 7)::
 
     {"method": "redrafter", "model": "DRAFTER_DIR",
      "beam_width": 8, "beam_length": 4, "verification": "exact", "beam_policy": "auto",
-     "num_speculative_tokens": 24}
+     "num_speculative_tokens": 24, "step_cost": "CURVE.json"}
 
 vLLM 0.32.0 knows neither the method nor the extra keys, so :func:`rewrite_speculative_config`
 turns the object into one vLLM accepts: ``method: "custom_class"`` with ``model`` naming our
@@ -70,7 +70,8 @@ class ReDrafterSettings:
     beam_length: int  # L, tokens per candidate including the root g0 (Apple's convention)
     num_speculative_tokens: int  # N, the most draft tokens per request per step
     verification: str = "exact"  # exact | rejection | typical (the last two: tree verification)
-    beam_policy: str = "auto"  # auto | fixed; chain verification uses the beam shape as given
+    beam_policy: str = "auto"  # auto: per-step shape up to (W, L) (beam_policy.py) | fixed
+    step_cost: str | None = None  # the policy's step-cost curve (None: this machine's cached one)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,6 +88,7 @@ class RequestSettings:
     beam_width: int
     beam_length: int
     verification: str
+    own_shape: bool = False  # the request chose W or L itself: the beam policy leaves it alone
 
 
 # -- engine settings -----------------------------------------------------------------------------
@@ -100,7 +102,7 @@ def validate_settings(
     """The ReDrafter part of a ``speculative_config`` dict -> settings, or one clear error.
 
     Reads ``model`` (the drafter dir), ``beam_width``, ``beam_length``, ``verification``,
-    ``beam_policy`` and ``num_speculative_tokens``; other keys are ignored here. The drafter's
+    ``beam_policy``, ``step_cost`` and ``num_speculative_tokens``; other keys are ignored here. The drafter's
     ``config.json`` is checked against the target's dims when they are given (no weights read).
     """
     W = _int_field("beam_width", raw.get("beam_width", DEFAULT_BEAM_WIDTH), low=1)
@@ -116,7 +118,14 @@ def validate_settings(
     policy = _choice_field("beam_policy", raw.get("beam_policy", "auto"), BEAM_POLICIES)
     drafter_dir = _drafter_dir(raw.get("model"))
     check_drafter_fits_target(drafter_dir, target_hidden_size, target_vocab_size)
-    return ReDrafterSettings(str(drafter_dir), W, L, N, verification, policy)
+    step_cost = raw.get("step_cost")
+    if step_cost is not None:
+        if not Path(str(step_cost)).is_file():
+            raise ReDrafterConfigError(
+                f"speculative_config['step_cost'] must be a step-cost JSON file "
+                f"(benchmarks/step_cost.py writes one), got {step_cost!r}: no such file")
+        step_cost = str(Path(str(step_cost)).resolve())
+    return ReDrafterSettings(str(drafter_dir), W, L, N, verification, policy, step_cost)
 
 
 def rewrite_speculative_config(
@@ -134,7 +143,8 @@ def rewrite_speculative_config(
     that vLLM turns into its ``LoadConfig``.
     """
     settings = validate_settings(raw, target_hidden_size, target_vocab_size)
-    ours = {"method", "model", "beam_width", "beam_length", "verification", "beam_policy"}
+    ours = {"method", "model", "beam_width", "beam_length", "verification", "beam_policy",
+            "step_cost"}
     out = {key: value for key, value in raw.items() if key not in ours}
     if "draft_load_config" in out:
         raise ReDrafterConfigError(
@@ -208,7 +218,9 @@ def request_settings(
     mode = _choice_field(
         "redrafter_verification", values["verification"], VERIFICATION_MODES, where=where
     )
-    return RequestSettings(W, L, mode)
+    own = bool(extra_args) and any(k in extra_args for k in ("redrafter_beam_width",
+                                                              "redrafter_beam_length"))
+    return RequestSettings(W, L, mode, own)
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -18,14 +18,18 @@ scores proposes nothing for the requests concerned: no request fails.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from vllm_redrafter.beam_policy import BeamPolicy, StepCost, step_cost_path
 from vllm_redrafter.beam_search import BeamSearchOutput, beam_search
 from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.drafter import RecurrentDrafter
@@ -92,6 +96,8 @@ class ReDrafterProposer:
         self.num_failed_steps = 0
         self.trees: dict[str, RequestTree] = {}  # req_id -> the tree proposed this step
         self.allow_trees = True  # False: the attention backend cannot mask trees; chains only
+        self.policy: BeamPolicy | None = None  # beam_policy "auto" with a measured step cost
+        self.shapes: dict[str, tuple[int, int, int]] = {}  # req_id -> (W, L, packed) drafted
 
     # -- vLLM's proposer interface -------------------------------------------------------------
 
@@ -110,6 +116,7 @@ class ReDrafterProposer:
             dtype=weight.dtype,
         ).eval()
         self.target = target
+        self.policy = self._load_policy(weight)
         logger.info(
             "ReDrafter: drafter %s loaded (%s, %s), W=%d L=%d, num_speculative_tokens=%d",
             self.settings.drafter_dir, weight.device, weight.dtype, self.settings.beam_width,
@@ -123,6 +130,20 @@ class ReDrafterProposer:
             "applied in this process (is the vllm.general_plugins entry point 'redrafter' "
             "loaded? VLLM_PLUGINS must not exclude it)"
         )
+
+    def _load_policy(self, weight: Tensor) -> BeamPolicy | None:
+        """The beam policy, if asked for ("auto") and this machine's step cost was measured."""
+        if self.settings.beam_policy != "auto":
+            return None
+        device = torch.cuda.get_device_name(weight.device) if weight.is_cuda else weight.device.type
+        path = Path(self.settings.step_cost or step_cost_path(self.model_config.model,
+                                                              str(weight.dtype), device))
+        if not path.is_file():
+            logger.info("ReDrafter: no step-cost curve for this model and machine (%s; "
+                        "benchmarks/step_cost.py measures it): fixed beam shape", path)
+            return None
+        logger.info("ReDrafter: beam policy on, step cost from %s", path)
+        return BeamPolicy(StepCost.load(path), self.settings.beam_width, self.settings.beam_length)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -140,27 +161,68 @@ class ReDrafterProposer:
         deeper than the tokens it may still emit, so every accepted token can reach the output.
         """
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        self.trees = {}
+        if self.policy is not None:
+            self._observe_verified(sampled_token_ids, requests)
+        self.trees, self.shapes = {}, {}
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
-        shapes = [self._request_settings(r) for r in requests]
         active = [i for i, tokens in enumerate(sampled_token_ids)
                   if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
+        shapes = self._shapes([requests[i] for i in active], cap)
+        active = [i for i, s in zip(active, shapes) if s is not None]
+        shapes = [s for s in shapes if s is not None]
         if active:
             index = torch.tensor(active, device=hidden_states.device)
             g0 = [sampled_token_ids[i][-1] for i in active]
+            start = time.perf_counter()
             try:
-                trees = self._trees(hidden_states[index], g0, [shapes[i] for i in active],
+                trees = self._trees(hidden_states[index], g0, shapes,
                                     [requests[i] for i in active], cap)
             except Exception:  # a failing drafter costs this step's drafts, never a request
                 self._note_failure("raised", exc_info=True)
                 trees = [None] * len(active)
-            for i, tree in zip(active, trees):
+            if self.policy is not None:  # _trees synchronised (its host transfer)
+                self.policy.draft.observe(len(active), max(s.beam_width for s in shapes),
+                                          max(s.beam_length for s in shapes),
+                                          time.perf_counter() - start)
+            for i, tree, shape in zip(active, trees, shapes):
                 if tree is not None and len(tree.tokens) > 1:
                     drafts[i] = tree.drafts
                     self.trees[requests[i].req_id] = tree
+                    self.shapes[requests[i].req_id] = (shape.beam_width, shape.beam_length,
+                                                       len(tree.tokens))
         if self.trace is not None:
             self._record(sampled_token_ids, hidden_states, requests, drafts)
         return drafts
+
+    def _shapes(self, requests: Sequence[Any], cap: int) -> list[RequestSettings | None]:
+        """Each request's beam shape this step (None: no drafts).
+
+        A request's own W / L (``extra_args``) are kept; the others take the beam policy's
+        choice for this batch when the policy is on, else the engine's. Beams never go deeper
+        than the tokens a request may still emit; without tree attention they are chains.
+        """
+        shapes = [self._request_settings(r) for r in requests]
+        if self.policy is not None and any(not s.own_shape for s in shapes):
+            choice = self.policy.choose(len(requests), cap)
+            if choice.width == 0:
+                self.policy.stats.observe_no_drafts(sum(not s.own_shape for s in shapes))
+            shapes = [s if s.own_shape else
+                      None if choice.width == 0 else
+                      dataclasses.replace(s, beam_width=choice.width, beam_length=choice.length)
+                      for s in shapes]
+        return [None if s is None else dataclasses.replace(
+                    s, beam_width=s.beam_width if self.allow_trees else 1,
+                    beam_length=min(s.beam_length, _tokens_left(r)))
+                for s, r in zip(shapes, requests)]
+
+    def _observe_verified(self, sampled_token_ids: list[list[int]], requests: Sequence[Any]):
+        """Count, for the policy, what last step's trees got accepted (emitted - the bonus)."""
+        assert self.policy is not None
+        for tokens, request in zip(sampled_token_ids, requests):
+            shape = self.shapes.get(request.req_id)
+            if shape is not None and tokens:
+                width, length, packed = shape
+                self.policy.stats.observe(width, length, packed, len(tokens) - 1)
 
     def _trees(
         self, h: Tensor, last_tokens: list[int], shapes: list[RequestSettings],
@@ -169,8 +231,8 @@ class ReDrafterProposer:
         """Beam search for B requests (h [B, H]), packed into trees of at most cap + 1 nodes."""
         device = h.device
         g0 = torch.tensor(last_tokens, device=device, dtype=torch.long)  # [B]
-        widths = [s.beam_width if self.allow_trees else 1 for s in shapes]
-        lengths = [min(s.beam_length, _tokens_left(r)) for s, r in zip(shapes, requests)]
+        widths = [s.beam_width for s in shapes]
+        lengths = [s.beam_length for s in shapes]
         out = self.beam_source(h, g0, _int_or_tensor(widths, device),
                                _int_or_tensor(lengths, device), requests)
         W_max, L_max = max(widths), max(lengths)

@@ -1,0 +1,136 @@
+"""This machine's cost of one target forward over T new tokens per request, vs one (the curve the
+beam policy reads).
+
+For batch sizes B and tokens per request T, B prompts of P cached tokens (prefix cache primed)
+get T new tokens each and ``max_tokens=1``: one engine step whose forward covers B * T query
+tokens over a cached context, as a verify step does. The median of ``--repeats`` runs (fresh
+suffixes each time) per cell is printed as a table of ratios to the (B, T=1) step, and written as
+JSON with a PNG plot. The curve (seconds by total query tokens) is cached where the ReDrafter
+proposer looks for it (``vllm_redrafter.beam_policy.step_cost_path``: per model, dtype and
+machine), or passed to the engine as ``speculative_config["step_cost"]``.
+
+    python benchmarks/step_cost.py [--model DIR] [--dtype float32] [--batch-sizes 1,2,4,8,16,32]
+        [--tokens 1,2,4,8,16,32,64] [--context 128] [--repeats 3] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_PLUGINS", "")  # vLLM alone: the target's own cost
+
+from vllm_redrafter.beam_policy import StepCost, step_cost_path  # noqa: E402
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def measure(llm, batch: int, tokens: int, context: int, repeats: int, vocab: int,
+            rng: random.Random) -> float:
+    """Median seconds of one step over ``batch`` requests x ``tokens`` new tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    prefixes = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prefixes], params, use_tqdm=False)
+    times = []
+    for _ in range(repeats):
+        prompts = [TokensPrompt(prompt_token_ids=p + [rng.randrange(100, vocab)
+                                                      for _ in range(tokens)]) for p in prefixes]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def plot(cells: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for batch in sorted({c["batch"] for c in cells}):
+        row = [c for c in cells if c["batch"] == batch]
+        ax.plot([c["tokens"] for c in row], [c["ratio"] for c in row], marker="o",
+                label=f"batch {batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("new tokens per request (T)")
+    ax.set_ylabel("step time / step time at T = 1")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="target dir (default: the embedded one)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-sizes", type=int_list, default=int_list("1,2,4,8,16,32"))
+    parser.add_argument("--tokens", type=int_list, default=int_list("1,2,4,8,16,32,64"))
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+
+    from tqdm import tqdm
+    from vllm import LLM
+
+    if args.model is None:
+        from vllm_redrafter.target import prepare_target
+
+        args.model = str(prepare_target())
+    max_tokens = max(args.batch_sizes) * (args.context + max(args.tokens))
+    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, seed=0,
+              max_model_len=args.context + max(args.tokens) + 8,
+              max_num_batched_tokens=max(8192, max_tokens), max_num_seqs=max(args.batch_sizes),
+              enable_prefix_caching=True)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    rng = random.Random(0)
+    cells = []
+    grid = [(b, t) for b in args.batch_sizes for t in args.tokens]
+    for batch, tokens in tqdm(grid, desc="step cost (B, T)"):
+        seconds = measure(llm, batch, tokens, args.context, args.repeats, vocab, rng)
+        cells.append({"batch": batch, "tokens": tokens, "total_tokens": batch * tokens,
+                      "seconds": seconds})
+    for c in cells:
+        one = next(x for x in cells if x["batch"] == c["batch"] and x["tokens"] == min(args.tokens))
+        c["ratio"] = c["seconds"] / one["seconds"]
+
+    print(f"\nstep time / (same batch, T = {min(args.tokens)}), {args.model} ({args.dtype}), "
+          f"{device_name()}, context {args.context}")
+    print("B \\ T " + "".join(f"{t:>7}" for t in args.tokens))
+    for batch in args.batch_sizes:
+        row = [c for c in cells if c["batch"] == batch]
+        print(f"{batch:>6} " + "".join(f"{c['ratio']:>7.2f}" for c in row))
+
+    import torch
+
+    curve = StepCost.from_measurements((c["total_tokens"], c["seconds"]) for c in cells)
+    dtype = str(getattr(torch, args.dtype))
+    cached = step_cost_path(args.model, dtype, device_name())
+    meta = {"model": args.model, "dtype": dtype, "device": device_name(), "cells": cells}
+    curve.save(cached, **meta)
+    args.out.mkdir(parents=True, exist_ok=True)
+    curve.save(args.out / "step_cost.json", **meta)
+    plot(cells, args.out / "step_cost.png")
+    print(f"\ncurve cached for the beam policy: {cached}\nJSON and plot: {args.out}/step_cost.*")
+
+
+if __name__ == "__main__":
+    main()
