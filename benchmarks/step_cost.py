@@ -10,7 +10,8 @@ proposer looks for it (``vllm_redrafter.beam_policy.step_cost_path``: per model,
 machine), or passed to the engine as ``speculative_config["step_cost"]``.
 
     python benchmarks/step_cost.py [--model DIR] [--dtype float32] [--batch-sizes 1,2,4,8,16,32]
-        [--tokens 1,2,4,8,16,32,64] [--context 128] [--repeats 3] [--out benchmarks/results]
+        [--tokens 1,2,4,8,16,32,64] [--context 128] [--repeats 3] [--kv-cache-gib 2]
+        [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int_list, default=int_list("1,2,4,8,16,32,64"))
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
 
@@ -99,7 +101,7 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, seed=0,
               max_model_len=args.context + max(args.tokens) + 8,
               max_num_batched_tokens=max(8192, max_tokens), max_num_seqs=max(args.batch_sizes),
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30))
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)
     cells = []
