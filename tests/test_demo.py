@@ -1,0 +1,53 @@
+"""``vllm-redrafter demo`` (the README's main command), end to end on a few prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_redrafter.demo import first_turns
+
+
+def test_prompt_file_errors_name_the_line(tmp_path):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"turns": ["fine"]}\n{"question": "no turns"}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:2: not an MT-Bench question"):
+        first_turns(bad, 10)
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no questions"):
+        first_turns(empty, 10)
+
+
+def test_missing_drafter_says_how_to_get_one(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "vllm_redrafter.cli", "demo", "--drafter",
+                          str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "vllm-redrafter train" in run.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions, tmp_path):
+    from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
+
+    torch.manual_seed(0)  # an untrained drafter: the run's figures, not its speed, are checked
+    config = DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=1152, num_draft_layers=1,
+                           draft_vocab_size=1024)
+    drafter = RecurrentDrafter(config)
+    drafter.draft_vocab_ids = torch.randperm(49152)[:1024]
+    drafter.save_pretrained(tmp_path / "drafter")
+    figures = tmp_path / "demo.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_redrafter.cli", "demo", "--drafter", str(tmp_path / "drafter"),
+         "--num-prompts", "3", "--max-tokens", "16", "--json", str(figures)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "VLLM_PLUGINS": "redrafter"},
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    out = json.loads(figures.read_text())
+    assert out["prompts"] == 3 and out["identical_outputs"] == 3
+    assert out["tokens_per_step"] is not None and out["tokens_per_step"] >= 1.0
+    assert "speedup" in run.stdout and "identical greedy outputs: 3/3" in run.stdout

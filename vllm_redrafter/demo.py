@@ -1,0 +1,185 @@
+"""``vllm-redrafter demo``: vLLM alone vs vLLM with ReDrafter, in one run, on the embedded target.
+
+Prepares the embedded SmolLM2-135M-Instruct target, loads the drafter shipped with the package
+(or ``--drafter DIR``), then answers MT-Bench questions (first turn, chat template, greedy) one
+request at a time (batch 1, what a user waits for) through vLLM alone and through vLLM with
+ReDrafter, and prints tokens/s of each, the speedup, tokens per step, per-position acceptance and
+whether both gave the same tokens (they must: greedy output is exact).
+
+The MT-Bench questions are read from ``../shared/data`` beside the checkout (the evaluation set is
+not shipped in the package) or from ``--prompts FILE`` (same jsonl format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+PACKAGE = Path(__file__).resolve().parent
+DEFAULT_DRAFTER = PACKAGE / "default_drafter"
+MT_BENCH_NAME = Path("shared") / "data" / "mt_bench_questions.jsonl"
+
+
+def find_mt_bench() -> Path:
+    """``../shared/data/mt_bench_questions.jsonl`` beside the checkout, or beside the cwd."""
+    for root in (PACKAGE.parents[1], Path.cwd().parent, Path.cwd()):
+        if (root / MT_BENCH_NAME).is_file():
+            return root / MT_BENCH_NAME
+    raise FileNotFoundError(
+        f"MT-Bench questions not found at ../{MT_BENCH_NAME} beside the checkout; pass "
+        "--prompts FILE (jsonl, one {\"turns\": [question, ...]} per line)")
+
+
+def first_turns(path: Path, limit: int) -> list[str]:
+    """The first turn of the first ``limit`` questions of an MT-Bench-format jsonl file."""
+    questions = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            questions.append(json.loads(line)["turns"][0])
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+            raise ValueError(f"{path}:{n}: not an MT-Bench question ({err!r}); each line must "
+                             "be a JSON object with a non-empty 'turns' list") from err
+    if not questions:
+        raise ValueError(f"{path} holds no questions")
+    return questions[:limit]
+
+
+def engine_kwargs(target: str) -> dict:
+    """One engine setting for both runs: float32 and a small KV space on a CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {"model": target, "seed": 0, "max_model_len": 2048}
+    return {"model": target, "dtype": "float32", "enforce_eager": True, "seed": 0,
+            "max_model_len": 2048, "kv_cache_memory_bytes": 1 << 30}
+
+
+@dataclass
+class Run:
+    name: str
+    seconds: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    spec: dict[str, object] = field(default_factory=dict)  # vLLM's spec-decode counters
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds
+
+    def tokens_per_step(self) -> float | None:
+        """Mean tokens emitted per verify step (accepted drafts + 1), over steps with drafts."""
+        drafts = self.spec.get("vllm:spec_decode_num_drafts") or 0
+        if not drafts:
+            return None
+        return 1 + self.spec["vllm:spec_decode_num_accepted_tokens"] / drafts
+
+    def acceptance_per_position(self) -> list[float]:
+        drafts = self.spec.get("vllm:spec_decode_num_drafts") or 0
+        per_pos = self.spec.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+        return [a / drafts for a in per_pos if drafts] if drafts else []
+
+
+def _spec_counters(llm) -> dict[str, object]:
+    return {m.name: getattr(m, "values", getattr(m, "value", None))
+            for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+
+
+def run_batch1(name: str, engine: dict, prompts: list[list[int]], params) -> Run:
+    """Every prompt alone (batch 1), timed; vLLM's spec-decode counters over the run."""
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine, disable_log_stats=False)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)  # warm-up
+    before = _spec_counters(llm)
+    run = Run(name)
+    for ids in tqdm(prompts, desc=name):
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        run.seconds += time.perf_counter() - start
+        run.outputs.append(list(out[0].outputs[0].token_ids))
+    after = _spec_counters(llm)
+    run.spec = {k: ([a - b for a, b in zip(v, before.get(k, [0] * len(v)))]
+                    if isinstance(v, list) else v - (before.get(k) or 0))
+                for k, v in after.items()}
+    del llm
+    gc.collect()
+    return run
+
+
+def report(alone: Run, ours: Run) -> dict:
+    same = sum(a == b for a, b in zip(alone.outputs, ours.outputs))
+    tps = ours.tokens_per_step()
+    figures = {
+        "prompts": len(alone.outputs),
+        "identical_outputs": same,
+        "alone_tokens_per_s": alone.tokens_per_second,
+        "redrafter_tokens_per_s": ours.tokens_per_second,
+        "speedup": ours.tokens_per_second / alone.tokens_per_second,
+        "tokens_per_step": tps,
+        "acceptance_per_position": ours.acceptance_per_position(),
+    }
+    print(f"\n{'':24}{'vLLM alone':>12}{'+ ReDrafter':>14}")
+    print(f"{'tokens/s (batch 1)':24}{alone.tokens_per_second:>12.1f}{ours.tokens_per_second:>14.1f}")
+    print(f"{'speedup':24}{'':>12}{figures['speedup']:>13.2f}x")
+    print(f"{'tokens per step':24}{1.0:>12.2f}{(tps or 1.0):>14.2f}")
+    accept = ", ".join(f"{a:.2f}" for a in figures["acceptance_per_position"][:8])
+    print(f"acceptance by draft position: {accept or 'no drafts'}")
+    print(f"identical greedy outputs: {same}/{len(alone.outputs)}")
+    return figures
+
+
+def main(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from vllm_redrafter.reference_loop import chat_prompt_ids
+    from vllm_redrafter.target import prepare_target
+
+    drafter = Path(args.drafter) if args.drafter else DEFAULT_DRAFTER
+    if not (drafter / "config.json").is_file():
+        raise SystemExit(
+            f"no drafter at {drafter}: this install ships no default drafter yet. Train one "
+            "(vllm-redrafter train --recipe medium --output-dir runs/medium) and pass "
+            "--drafter runs/medium")
+    questions = first_turns(Path(args.prompts) if args.prompts else find_mt_bench(),
+                            args.num_prompts)
+    target = str(prepare_target())
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    engine = engine_kwargs(target)
+    spec = {"method": "redrafter", "model": str(drafter), "beam_width": args.beam_width,
+            "beam_length": args.beam_length, "beam_policy": "fixed"}
+    alone = run_batch1("vLLM alone", engine, prompts, params)
+    ours = run_batch1("vLLM + ReDrafter", {**engine, "speculative_config": spec}, prompts, params)
+    figures = report(alone, ours)
+    if args.json:
+        Path(args.json).write_text(json.dumps({**figures, "drafter": str(drafter),
+                                               "beam_width": args.beam_width,
+                                               "beam_length": args.beam_length}, indent=1))
+    return 0 if figures["identical_outputs"] == len(prompts) else 1
+
+
+def add_demo_parser(sub) -> None:
+    demo = sub.add_parser("demo", help="vLLM alone vs vLLM + ReDrafter on the embedded target")
+    demo.add_argument("--drafter", default=None, help="drafter dir (default: the shipped one)")
+    demo.add_argument("--prompts", default=None, help="MT-Bench-format jsonl (default: "
+                      "../shared/data/mt_bench_questions.jsonl beside the checkout)")
+    demo.add_argument("--num-prompts", type=int, default=20)
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--beam-width", type=int, default=4)
+    demo.add_argument("--beam-length", type=int, default=4)
+    demo.add_argument("--json", default=None, help="also write the figures here")
+    demo.set_defaults(func=main)
