@@ -108,19 +108,22 @@ def _prepare_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _forward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     from vllm_redrafter.vllm_plugin.attention import tree_attention
+    from vllm_redrafter.vllm_plugin.timing import timed
     from vllm_redrafter.vllm_plugin.verifier import TreeVerifier
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **model_kwargs):
         verifier = getattr(self, "rejection_sampler", None)
         step = verifier.pending if isinstance(verifier, TreeVerifier) else None
+        timings = getattr(getattr(self, "drafter", None), "timings", None)
         if step is None or step.forward_done:
-            return original(self, input_ids, positions, intermediate_tensors, inputs_embeds,
-                            **model_kwargs)
+            with timed(timings, "forward_plain", self.device):
+                return original(self, input_ids, positions, intermediate_tensors, inputs_embeds,
+                                **model_kwargs)
         step.forward_done = True
         positions = step.rewrite_positions(positions)
         inputs = None if step.is_chain else step.attention_inputs(positions.device)
-        with tree_attention(inputs):
+        with tree_attention(inputs), timed(timings, "verify", self.device):
             return original(self, input_ids, positions, intermediate_tensors, inputs_embeds,
                             **model_kwargs)
 

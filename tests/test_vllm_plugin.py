@@ -151,6 +151,7 @@ def proposer(llm):
     proposer.trace = []
     yield proposer
     proposer.trace, proposer.beam_source, proposer.policy = None, source, policy
+    proposer.timings = None
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -318,6 +319,7 @@ def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone):
     where every verified token costs a whole step it never drafts; with a flat one it drafts
     nearly every step, up to the engine's W = 2, L = 4. Output identical to vLLM alone both ways."""
     from vllm_redrafter.beam_policy import BeamPolicy, StepCost
+    from vllm_redrafter.vllm_plugin.timing import StepTimings
 
     n = 8
     proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=4)
@@ -328,9 +330,14 @@ def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone):
         outputs = generate(llm, prompts[:n], [GREEDY] * n)
         assert [list(o.outputs[0].token_ids) for o in outputs] == alone[:n], name
         drafted[name] = sum(bool(r.drafts) for r in proposer.trace) / len(proposer.trace)
+        if name == "steep":
+            proposer.timings = StepTimings()  # the benchmark hook, on for the flat run
     print(f"\nsteps with drafts: {drafted}")
     assert drafted["steep"] == 0 and drafted["flat"] > 0.7
     assert max(len(r.drafts) for r in proposer.trace) > 3  # W = 2 trees were chosen
+    calls = proposer.timings.calls  # every phase of every step with drafts was timed (batched)
+    assert calls["draft"] == calls["pack"] > 0 and 0 < calls["verify"] == calls["accept"]
+    assert min(proposer.timings.seconds.values()) > 0
 
 
 def test_stop_conditions_mid_path_stop_where_vllm_alone_stops(llm, proposer, prompts, alone,

@@ -40,6 +40,7 @@ from vllm_redrafter.vllm_plugin.config import (
     request_settings,
     settings_from_extra_config,
 )
+from vllm_redrafter.vllm_plugin.timing import StepTimings, timed
 from vllm_redrafter.vllm_plugin.tree_step import RequestTree
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ReDrafterProposer:
         self.target: nn.Module | None = None
         self.beam_source: BeamSource = self._drafter_beam_search
         self.trace: list[DraftRecord] | None = None
+        self.timings: StepTimings | None = None  # benchmark hook (vllm_plugin/timing.py)
         self.num_failed_steps = 0
         self.trees: dict[str, RequestTree] = {}  # req_id -> the tree proposed this step
         self.allow_trees = True  # False: the attention backend cannot mask trees; chains only
@@ -233,17 +235,19 @@ class ReDrafterProposer:
         g0 = torch.tensor(last_tokens, device=device, dtype=torch.long)  # [B]
         widths = [s.beam_width for s in shapes]
         lengths = [s.beam_length for s in shapes]
-        out = self.beam_source(h, g0, _int_or_tensor(widths, device),
-                               _int_or_tensor(lengths, device), requests)
-        W_max, L_max = max(widths), max(lengths)
-        beams = out.beams[:, :W_max, :L_max]
-        tree = truncate_tree(build_tree(beams, _int_or_tensor(widths, device),
-                                        _int_or_tensor(lengths, device)), cap + 1)
-        real = torch.arange(W_max, device=device) < torch.tensor(widths, device=device)[:, None]
-        finite = (out.scores[:, :W_max].isfinite() | ~real).all(dim=1)  # [B]
-        tokens, parent, depth, num, ok = (tree.tokens.tolist(), tree.parent.tolist(),
-                                          tree.depth.tolist(), tree.num_packed.tolist(),
-                                          finite.tolist())  # the step's host transfer
+        with timed(self.timings, "draft", device):
+            out = self.beam_source(h, g0, _int_or_tensor(widths, device),
+                                   _int_or_tensor(lengths, device), requests)
+        with timed(self.timings, "pack", device):
+            W_max, L_max = max(widths), max(lengths)
+            beams = out.beams[:, :W_max, :L_max]
+            tree = truncate_tree(build_tree(beams, _int_or_tensor(widths, device),
+                                            _int_or_tensor(lengths, device)), cap + 1)
+            real = torch.arange(W_max, device=device) < torch.tensor(widths, device=device)[:, None]
+            finite = (out.scores[:, :W_max].isfinite() | ~real).all(dim=1)  # [B]
+            tokens, parent, depth, num, ok = (tree.tokens.tolist(), tree.parent.tolist(),
+                                              tree.depth.tolist(), tree.num_packed.tolist(),
+                                              finite.tolist())  # the step's host transfer
         vocab = self.model_config.get_vocab_size()
         trees: list[RequestTree | None] = []
         for b, shape in enumerate(shapes):

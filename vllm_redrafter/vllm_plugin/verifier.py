@@ -34,6 +34,7 @@ from vllm_redrafter.verify import (
     verify_sampling,
     verify_typical,
 )
+from vllm_redrafter.vllm_plugin.timing import timed
 from vllm_redrafter.vllm_plugin.tree_step import RequestTree, TreeStep
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,11 @@ class TreeVerifier(nn.Module):
         step, self.pending = self.pending, None
         if step is None:  # not a ReDrafter verify step (vLLM's dummy sampler run)
             return self.rejection_sampler(metadata, draft_probs, logits, sampling_metadata)
+        with timed(getattr(self.runner.drafter, "timings", None), "accept", logits.device):
+            return self._verify(step, metadata, logits, sampling_metadata)
+
+    def _verify(self, step: TreeStep, metadata, logits: Tensor, sampling_metadata):
+        """Accepted drafts + bonus per request (-1 padded), KV moved, last nodes recorded."""
         from vllm.v1.outputs import SamplerOutput
 
         num_sampled = [k + 1 for k in metadata.num_draft_tokens]

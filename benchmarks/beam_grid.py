@@ -1,0 +1,123 @@
+"""The paper's Table 5 on this machine: per-request tokens/s over beam width x batch size.
+
+One ReDrafter engine (each request carries its beam shape in ``extra_args``, the policy is off)
+and one vLLM-alone engine, side by side in this process. For every batch size B, B MT-Bench
+questions (first turn, chat template, greedy) run together through vLLM alone and then through
+ReDrafter at each beam width W (length L fixed); per-request tokens/s = emitted tokens / wall
+time / B. Printed as a table with the best W per B, written as JSON and drawn as a heatmap of the
+speedup over vLLM alone.
+
+    python benchmarks/beam_grid.py --drafter DIR [--widths 1,2,4,8,16,32]
+        [--batch-sizes 1,2,4,8,16,32] [--beam-length 4] [--max-tokens 64]
+        [--out benchmarks/results/beam_grid.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def per_request_rate(llm, prompts: list[list[int]], params: list) -> float:
+    from vllm.inputs import TokensPrompt
+
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                           use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds / len(prompts)
+
+
+def heatmap(cells: list[dict], widths: list[int], batches: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [[next(c["speedup"] for c in cells if c["batch"] == b and c["width"] == w)
+             for w in widths] for b in batches]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.5, vmax=max(1.5, max(map(max, grid))))
+    ax.set_xticks(range(len(widths)), [str(w) for w in widths])
+    ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("beam width W")
+    ax.set_ylabel("batch size")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(image, label="per-request tokens/s vs vLLM alone")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
+    parser.add_argument("--prompts", type=Path, default=None)
+    parser.add_argument("--widths", type=int_list, default=int_list("1,2,4,8,16,32"))
+    parser.add_argument("--batch-sizes", type=int_list, default=int_list("1,2,4,8,16,32"))
+    parser.add_argument("--beam-length", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "beam_grid.json")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_redrafter.reference_loop import chat_prompt_ids
+    from vllm_redrafter.target import prepare_target
+
+    if not (args.drafter / "config.json").is_file():
+        raise SystemExit(f"no drafter at {args.drafter} (pass --drafter DIR)")
+    target = str(prepare_target())
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    questions = first_turns(args.prompts or find_mt_bench(), max(args.batch_sizes))
+    questions = (questions * max(args.batch_sizes))[: max(args.batch_sizes)]
+    prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
+    L = args.beam_length
+    spec = {"method": "redrafter", "model": str(args.drafter.resolve()), "beam_width": 1,
+            "beam_length": L, "beam_policy": "fixed",
+            "num_speculative_tokens": min(128, max(args.widths) * (L - 1))}
+    engine = {**engine_kwargs(target), "max_num_seqs": max(args.batch_sizes)}
+    alone = LLM(**engine)
+    ours = LLM(**engine, speculative_config=spec)
+    plain = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    cells = []
+    for batch in tqdm(args.batch_sizes, desc="batch sizes"):
+        base = per_request_rate(alone, prompts[:batch], [plain] * batch)
+        for width in args.widths:
+            shaped = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, extra_args={
+                "redrafter_beam_width": width, "redrafter_beam_length": L})
+            rate = per_request_rate(ours, prompts[:batch], [shaped] * batch)
+            cells.append({"batch": batch, "width": width, "length": L,
+                          "tokens_per_s": rate, "alone_tokens_per_s": base,
+                          "speedup": rate / base})
+
+    print(f"\nper-request tokens/s vs vLLM alone (L={L}, greedy, {args.max_tokens} tokens)")
+    print("B \\ W " + "".join(f"{w:>7}" for w in args.widths) + "   best W")
+    best = {}
+    for batch in args.batch_sizes:
+        row = [c for c in cells if c["batch"] == batch]
+        top = max(row, key=lambda c: c["speedup"])
+        best[batch] = top["width"] if top["speedup"] > 1 else 0
+        print(f"{batch:>6} " + "".join(f"{c['speedup']:>7.2f}" for c in row)
+              + f"   {best[batch] or 'none'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"drafter": str(args.drafter), "cells": cells,
+                                    "best_width_per_batch": best}, indent=1))
+    heatmap(cells, args.widths, args.batch_sizes, args.out.with_suffix(".png"))
+    print(f"\nJSON and heatmap: {args.out.with_suffix('')}.*")
+
+
+if __name__ == "__main__":
+    main()
