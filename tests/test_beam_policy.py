@@ -128,3 +128,14 @@ def test_drafting_off_is_retried_as_the_counts_fade():
         steps += 1
         assert steps < 10_000, "drafting was never tried again"
     assert steps > 10  # but not at once
+
+
+def test_requests_that_cannot_draft_still_share_the_step():
+    """Tokens of requests without drafts (e.g. a prefill chunk) share the step: drafting pays
+    while the step stays below the GEMM-bound knee, and not once the others push it past."""
+    stats = AcceptanceStats(decay=1.0, explore=0.0)
+    feed(stats, 2, 4, 0.7, 3000)
+    cost = StepCost((1, 64, 512, 4096), (0.010, 0.011, 0.021, 0.16))
+    assert choose_shape(1, 2, 4, cost, stats, DraftCost()).width > 0
+    assert choose_shape(1, 2, 4, cost, stats, DraftCost(), others=200).width > 0
+    assert choose_shape(1, 2, 4, cost, stats, DraftCost(), others=2000).width == 0

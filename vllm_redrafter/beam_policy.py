@@ -170,20 +170,23 @@ def candidate_widths(max_width: int) -> list[int]:
 
 
 def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost,
-                 stats: AcceptanceStats, draft: DraftCost, max_nodes: int | None = None) -> Choice:
+                 stats: AcceptanceStats, draft: DraftCost, max_nodes: int | None = None,
+                 others: int = 0) -> Choice:
     """The beam shape with the most expected tokens per second for this step (module docstring).
 
-    ``max_nodes``: the most draft nodes a request may verify (vLLM's num_speculative_tokens).
+    ``batch`` requests may draft; ``others`` share the step with one token each (prefill chunks
+    count their tokens). ``max_nodes``: the most draft nodes a request may verify.
     """
-    best = Choice(0, 0, batch / target(batch))  # no drafts: one token per request
+    best = Choice(0, 0, (batch + others) / target(batch + others))  # no drafts
     widths = candidate_widths(max_width)
     for width in widths:
         for length in range(2, max_length + 1):
             packed = stats.packed(width, length)
             if max_nodes is not None and packed - 1 > max_nodes:
                 continue
-            seconds = target(batch * packed) + draft(batch, width, length)
-            rate = batch * stats.tokens_per_step(width, length, widths) / seconds
+            seconds = target(batch * packed + others) + draft(batch, width, length)
+            tokens = batch * stats.tokens_per_step(width, length, widths) + others
+            rate = tokens / seconds
             if rate > best.tokens_per_second:
                 best = Choice(width, length, rate)
     return best
@@ -196,9 +199,9 @@ class BeamPolicy:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats, self.draft = AcceptanceStats(), DraftCost()
 
-    def choose(self, batch: int, max_nodes: int) -> Choice:
+    def choose(self, batch: int, max_nodes: int, others: int = 0) -> Choice:
         return choose_shape(batch, self.max_width, self.max_length, self.target, self.stats,
-                            self.draft, max_nodes)
+                            self.draft, max_nodes, others)
 
 
 def step_cost_path(model: str, dtype: str, device: str) -> Path:

@@ -169,7 +169,8 @@ class ReDrafterProposer:
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
         active = [i for i, tokens in enumerate(sampled_token_ids)
                   if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
-        shapes = self._shapes([requests[i] for i in active], cap)
+        shapes = self._shapes([requests[i] for i in active], cap,
+                              others=len(sampled_token_ids) - len(active))
         active = [i for i, s in zip(active, shapes) if s is not None]
         shapes = [s for s in shapes if s is not None]
         if active:
@@ -196,7 +197,8 @@ class ReDrafterProposer:
             self._record(sampled_token_ids, hidden_states, requests, drafts)
         return drafts
 
-    def _shapes(self, requests: Sequence[Any], cap: int) -> list[RequestSettings | None]:
+    def _shapes(self, requests: Sequence[Any], cap: int,
+                others: int = 0) -> list[RequestSettings | None]:
         """Each request's beam shape this step (None: no drafts).
 
         A request's own W / L (``extra_args``) are kept; the others take the beam policy's
@@ -205,7 +207,7 @@ class ReDrafterProposer:
         """
         shapes = [self._request_settings(r) for r in requests]
         if self.policy is not None and any(not s.own_shape for s in shapes):
-            choice = self.policy.choose(len(requests), cap)
+            choice = self.policy.choose(len(requests), cap, others)  # others: no drafts
             if choice.width == 0:
                 self.policy.stats.observe_no_drafts(sum(not s.own_shape for s in shapes))
             shapes = [s if s.own_shape else
