@@ -29,19 +29,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns
+from vllm_redrafter.demo import (
+    DEFAULT_DRAFTER,
+    counter_diff,
+    engine_kwargs,
+    find_mt_bench,
+    first_turns,
+    spec_counters,
+)
 
 MODES = {"greedy": {"temperature": 0.0}, "t1.0": {"temperature": 1.0}}
-
-
-def spec_counters(llm) -> dict[str, object]:
-    return {m.name: getattr(m, "values", getattr(m, "value", None))
-            for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
-
-
-def diff(after: dict, before: dict) -> dict:
-    return {k: ([a - b for a, b in zip(v, before.get(k) or [0] * len(v))] if isinstance(v, list)
-                else v - (before.get(k) or 0)) for k, v in after.items()}
 
 
 def interleaved(target: str, spec: dict, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -65,7 +62,7 @@ def interleaved(target: str, spec: dict, prompts: list[list[int]], max_tokens: i
                                              use_tqdm=False)
                 seconds[name] += time.perf_counter() - start
                 tokens[name] += len(out[0].outputs[0].token_ids)
-        spec_stats = diff(spec_counters(engines["redrafter"]), before)
+        spec_stats = counter_diff(spec_counters(engines["redrafter"]), before)
         drafts = spec_stats.get("vllm:spec_decode_num_drafts") or 0
         accepted = spec_stats.get("vllm:spec_decode_num_accepted_tokens") or 0
         per_pos = spec_stats.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []

@@ -90,9 +90,16 @@ class Run:
         return [a / drafts for a in per_pos if drafts] if drafts else []
 
 
-def _spec_counters(llm) -> dict[str, object]:
+def spec_counters(llm) -> dict[str, object]:
+    """vLLM's spec-decode counters (per-position ones as lists); needs disable_log_stats=False."""
     return {m.name: getattr(m, "values", getattr(m, "value", None))
             for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+
+
+def counter_diff(after: dict, before: dict) -> dict:
+    """``after - before`` for each counter (element-wise for lists)."""
+    return {k: ([a - b for a, b in zip(v, before.get(k) or [0] * len(v))] if isinstance(v, list)
+                else v - (before.get(k) or 0)) for k, v in after.items()}
 
 
 def run_batch1(name: str, engine: dict, prompts: list[list[int]], params) -> Run:
@@ -102,17 +109,14 @@ def run_batch1(name: str, engine: dict, prompts: list[list[int]], params) -> Run
 
     llm = LLM(**engine, disable_log_stats=False)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)  # warm-up
-    before = _spec_counters(llm)
+    before = spec_counters(llm)
     run = Run(name)
     for ids in tqdm(prompts, desc=name):
         start = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         run.seconds += time.perf_counter() - start
         run.outputs.append(list(out[0].outputs[0].token_ids))
-    after = _spec_counters(llm)
-    run.spec = {k: ([a - b for a, b in zip(v, before.get(k, [0] * len(v)))]
-                    if isinstance(v, list) else v - (before.get(k) or 0))
-                for k, v in after.items()}
+    run.spec = counter_diff(spec_counters(llm), before)
     del llm
     gc.collect()
     return run
