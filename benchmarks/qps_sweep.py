@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_redrafter.demo import DEFAULT_DRAFTER, find_mt_bench, first_turns
+from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns
 
 PORTS = {"alone": 8100, "redrafter": 8101}
 METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
@@ -38,15 +38,11 @@ def cli(*args: str) -> list[str]:
 
 
 def start_server(name: str, target: str, spec: dict | None, log: Path) -> subprocess.Popen:
-    args = ["serve", target, "--port", str(PORTS[name]), "--max-model-len", "2048", "--seed", "0"]
-    try:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
-    if not cuda:
-        args += ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(1 << 30)]
+    args = ["serve", target, "--port", str(PORTS[name])]
+    for key, value in engine_kwargs(target).items():  # the demo's engine, as CLI flags
+        if key != "model":
+            flag = "--" + key.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
     return subprocess.Popen(cli(*args), stdout=log.open("w"), stderr=subprocess.STDOUT,

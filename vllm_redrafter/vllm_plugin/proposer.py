@@ -99,7 +99,7 @@ class ReDrafterProposer:
         self.trees: dict[str, RequestTree] = {}  # req_id -> the tree proposed this step
         self.allow_trees = True  # False: the attention backend cannot mask trees; chains only
         self.policy: BeamPolicy | None = None  # beam_policy "auto" with a measured step cost
-        self.shapes: dict[str, tuple[int, int, int]] = {}  # req_id -> (W, L, packed) drafted
+        self.shapes: dict[str, tuple[int, int]] = {}  # req_id -> (W, L) of its tree this step
 
     # -- vLLM's proposer interface -------------------------------------------------------------
 
@@ -191,8 +191,7 @@ class ReDrafterProposer:
                 if tree is not None and len(tree.tokens) > 1:
                     drafts[i] = tree.drafts
                     self.trees[requests[i].req_id] = tree
-                    self.shapes[requests[i].req_id] = (shape.beam_width, shape.beam_length,
-                                                       len(tree.tokens))
+                    self.shapes[requests[i].req_id] = (shape.beam_width, shape.beam_length)
         if self.trace is not None:
             self._record(sampled_token_ids, hidden_states, requests, drafts)
         return drafts
@@ -225,8 +224,8 @@ class ReDrafterProposer:
         for tokens, request in zip(sampled_token_ids, requests):
             shape = self.shapes.get(request.req_id)
             if shape is not None and tokens:
-                width, length, packed = shape
-                self.policy.stats.observe(width, length, packed, len(tokens) - 1)
+                packed = len(self.trees[request.req_id].tokens)
+                self.policy.stats.observe(*shape, packed, len(tokens) - 1)
 
     def _trees(
         self, h: Tensor, last_tokens: list[int], shapes: list[RequestSettings],

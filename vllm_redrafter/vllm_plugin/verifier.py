@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -67,8 +68,7 @@ class TreeVerifier(nn.Module):
         """Accepted drafts + bonus per request (-1 padded), KV moved, last nodes recorded."""
         from vllm.v1.outputs import SamplerOutput
 
-        num_sampled = [k + 1 for k in metadata.num_draft_tokens]
-        starts = [sum(num_sampled[:b]) for b in range(len(num_sampled))]
+        starts = list(accumulate((k + 1 for k in metadata.num_draft_tokens), initial=0))[:-1]
         plain = self._plain_tokens(metadata, logits, sampling_metadata, step)
         width = metadata.max_spec_len + 1
         rows = []
