@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from vllm_redrafter.demo import first_turns
+from vllm_redrafter.demo import DEFAULT_DRAFTER, first_turns
 
 
 def test_prompt_file_errors_name_the_line(tmp_path):
@@ -32,18 +32,14 @@ def test_missing_drafter_says_how_to_get_one(tmp_path):
 
 @pytest.mark.slow
 def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions, tmp_path):
-    from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
-
-    torch.manual_seed(0)  # an untrained drafter: the run's figures, not its speed, are checked
-    config = DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=1152, num_draft_layers=1,
-                           draft_vocab_size=1024)
-    drafter = RecurrentDrafter(config)
-    drafter.draft_vocab_ids = torch.randperm(49152)[:1024]
-    drafter.save_pretrained(tmp_path / "drafter")
+    """The README's main command as a user types it (shipped drafter), on a few prompts."""
     figures = tmp_path / "demo.json"
+    args = ["--num-prompts", "3", "--max-tokens", "32", "--json", str(figures)]
+    shipped = (DEFAULT_DRAFTER / "config.json").is_file()
+    if not shipped:  # an untrained drafter: the run's figures, not its speed, are checked
+        args += ["--drafter", str(_random_drafter(tmp_path / "drafter"))]
     run = subprocess.run(
-        [sys.executable, "-m", "vllm_redrafter.cli", "demo", "--drafter", str(tmp_path / "drafter"),
-         "--num-prompts", "3", "--max-tokens", "16", "--json", str(figures)],
+        [sys.executable, "-m", "vllm_redrafter.cli", "demo", *args],
         capture_output=True, text=True, timeout=900, env={**os.environ, "VLLM_PLUGINS": "redrafter"},
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
@@ -51,3 +47,17 @@ def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions
     assert out["prompts"] == 3 and out["identical_outputs"] == 3
     assert out["tokens_per_step"] is not None and out["tokens_per_step"] >= 1.0
     assert "speedup" in run.stdout and "identical greedy outputs: 3/3" in run.stdout
+    if shipped:  # the shipped drafter is accepted: more than one token per target step
+        assert out["tokens_per_step"] > 1.5, out
+
+
+def _random_drafter(path):
+    from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
+
+    torch.manual_seed(0)
+    config = DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=1152, num_draft_layers=1,
+                           draft_vocab_size=1024)
+    drafter = RecurrentDrafter(config)
+    drafter.draft_vocab_ids = torch.randperm(49152)[:1024]
+    drafter.save_pretrained(path)
+    return path

@@ -270,9 +270,26 @@ def test_greedy_identical_to_vllm_alone_for_every_beam_shape(llm, proposer, draf
     assert_drafter_got_the_right_hidden_state(proposer.trace)
     drafts, accepted = (after[name] - before[name] for name in (
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"))
-    print(f"\n{drafter_dir.name}: {accepted / drafts:.2f} accepted draft tokens per step, L={L}")
-    if drafter_dir == DEFAULT_DRAFTER:  # a trained drafter must earn its keep
+    per_width = tokens_per_step(proposer.trace, outputs, [W for W in widths for _ in prompts])
+    print(f"\n{drafter_dir.name}: {accepted / drafts:.2f} accepted draft tokens per step, L={L}; "
+          f"tokens/step per beam width {per_width}")
+    if drafter_dir == DEFAULT_DRAFTER:  # a trained drafter must earn its keep, more with trees
         assert accepted / drafts > 0.5
+        assert per_width[16] > per_width[4] > per_width[1] > 1.3, per_width
+
+
+def tokens_per_step(trace, outputs, groups: list) -> dict:
+    """Mean tokens per engine step per group (outputs[i] is in groups[i]), from the trace.
+
+    A request is traced once per step in which it emitted tokens, so its steps are its records.
+    """
+    emitted = {o.request_id: len(o.outputs[0].token_ids) for o in outputs}
+    steps = Counter(_external_id(r.req_id, emitted) for r in trace)
+    tokens, count = Counter(), Counter()
+    for o, group in zip(outputs, groups):
+        tokens[group] += emitted[o.request_id]
+        count[group] += steps[o.request_id]
+    return {group: round(tokens[group] / count[group], 3) for group in tokens}
 
 
 def assert_drafter_got_the_right_hidden_state(records) -> None:
@@ -373,6 +390,45 @@ def test_preemption_with_a_small_kv_cache(target_dir, drafter_dir, prompts, alon
     assert out["outputs"][0] == alone
     print(f"\npreemptions: {out['metrics'].get('vllm:num_preemptions')}")
     assert out["metrics"].get("vllm:num_preemptions", 0) > 0
+
+
+def test_tensor_parallel_workers_match_vllm_alone(llm, target_dir, drafter_dir, prompts, alone,
+                                                  tmp_path):
+    """TP over vLLM's multiprocessing executor: the drafter runs in each worker, on the
+    all-reduced hidden state, and every worker verifies alike. Greedy output is vLLM alone's;
+    seeded sampling gives what one worker gives (workers that drew differently would feed each
+    other's all-reduce different tokens).
+
+    TP = 3: the target's 9 query / 3 KV heads split no other way. Three workers on this 2-core
+    machine cannot each own a core, so threads are not pinned (``nobind``), one per worker.
+    """
+    n = 6
+    engine = {**engine_kwargs(target_dir), "tensor_parallel_size": 3,
+              "distributed_executor_backend": "mp", "disable_log_stats": False,
+              "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
+                                     "beam_width": 4, "beam_length": 4, "beam_policy": "fixed"}}
+    sampled = {"temperature": 0.8, "seed": 7, "max_tokens": 32, "ignore_eos": True,
+               **beam_shape(4, 4)}
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"engine": engine, "metrics": True, "runs": [
+        {"prompts": prompts[:n], "params": GREEDY}, {"prompts": prompts[:n], "params": sampled}]}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_PLUGINS", None)
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"), str(job),
+                          str(tmp_path / "out.json")], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["outputs"][0] == alone[:n]
+    one_worker = generate(llm, prompts[:n], [sampled] * n)
+    assert out["outputs"][1] == [list(o.outputs[0].token_ids) for o in one_worker]
+    drafts = out["metrics"].get("vllm:spec_decode_num_drafts", 0)
+    accepted = out["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0)
+    print(f"\nTP=3: {drafts} steps with drafts, {accepted} accepted draft tokens")
+    assert drafts > 0
+    if drafter_dir == DEFAULT_DRAFTER:
+        assert accepted > drafts / 2
 
 
 # -- metrics ---------------------------------------------------------------------------------------

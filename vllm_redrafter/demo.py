@@ -153,10 +153,10 @@ def main(args: argparse.Namespace) -> int:
 
     drafter = Path(args.drafter) if args.drafter else DEFAULT_DRAFTER
     if not (drafter / "config.json").is_file():
+        why = "no config.json there" if args.drafter else "this install ships no default drafter"
         raise SystemExit(
-            f"no drafter at {drafter}: this install ships no default drafter yet. Train one "
-            "(vllm-redrafter train --recipe medium --output-dir runs/medium) and pass "
-            "--drafter runs/medium")
+            f"no drafter at {drafter} ({why}). Train one (vllm-redrafter train --recipe medium "
+            "--output-dir runs/medium) and pass --drafter runs/medium")
     questions = first_turns(Path(args.prompts) if args.prompts else find_mt_bench(),
                             args.num_prompts)
     target = str(prepare_target())

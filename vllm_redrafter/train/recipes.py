@@ -62,7 +62,7 @@ RECIPES: dict[str, Recipe] = {
                       max_len=1024, heldout_fraction=0.03,
                       builtin=BuiltinSpec(templated=2000, text=600, self_instruct=800, seed=0)),
         drafter=DrafterSpec(num_draft_layers=1, draft_vocab_size=6144, head_init="random"),
-        train=TrainConfig(epochs=2.0, batch_size=1024, lr=2e-3, warmup_steps=100, save_every=100),
+        train=TrainConfig(epochs=1.0, batch_size=1024, lr=2e-3, warmup_steps=50, save_every=100),
         save_dtype="float16",
     ),
     "medium": Recipe(
