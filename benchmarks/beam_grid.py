@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns
+from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns, machine
 
 
 def int_list(text: str) -> list[int]:
@@ -113,7 +113,7 @@ def main() -> None:
         print(f"{batch:>6} " + "".join(f"{c['speedup']:>7.2f}" for c in row)
               + f"   {best[batch] or 'none'}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"drafter": str(args.drafter), "cells": cells,
+    args.out.write_text(json.dumps({"machine": machine(), "drafter": str(args.drafter), "cells": cells,
                                     "best_width_per_batch": best}, indent=1))
     heatmap(cells, args.widths, args.batch_sizes, args.out.with_suffix(".png"))
     print(f"\nJSON and heatmap: {args.out.with_suffix('')}.*")

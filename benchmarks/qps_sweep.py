@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns
+from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns, machine
 
 PORTS = {"alone": 8100, "redrafter": 8101}
 METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
@@ -169,7 +169,7 @@ def main() -> None:
               f"{'/'.join(ttft[3:]):>15} | {'/'.join(tpot[:3]):>13} -> {'/'.join(tpot[3:]):>13} | "
               f"{row['throughput_speedup']:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"spec": spec, "num_prompts": args.num_prompts,
+    args.out.write_text(json.dumps({"machine": machine(), "spec": spec, "num_prompts": args.num_prompts,
                                     "max_tokens": args.max_tokens, "rows": rows, "raw": raw},
                                    indent=1, default=str))
     plot(rows, args.out.with_suffix(".png"))

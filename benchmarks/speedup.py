@@ -35,6 +35,7 @@ from vllm_redrafter.demo import (
     engine_kwargs,
     find_mt_bench,
     first_turns,
+    machine,
     spec_counters,
 )
 
@@ -167,7 +168,7 @@ def main() -> None:
     split = time_split(target, spec, prompts, args.max_tokens)
     print_tables(results, split, spec)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"drafter": str(args.drafter), "spec": spec,
+    args.out.write_text(json.dumps({"machine": machine(), "drafter": str(args.drafter), "spec": spec,
                                     "num_prompts": len(prompts), "max_tokens": args.max_tokens,
                                     "modes": results, "time_split": split}, indent=1))
     print(f"\nJSON: {args.out}")

@@ -48,7 +48,7 @@ def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions
     assert out["tokens_per_step"] is not None and out["tokens_per_step"] >= 1.0
     assert "speedup" in run.stdout and "identical greedy outputs: 3/3" in run.stdout
     if shipped:  # the shipped drafter is accepted: more than one token per target step
-        assert out["tokens_per_step"] > 1.5, out
+        assert out["tokens_per_step"] > 1.3, out
 
 
 def _random_drafter(path):

@@ -94,23 +94,27 @@ def subprocess_runs(target_dir, prompts, tmp_path_factory) -> dict[str, dict]:
     # One after the other (side by side, their threads would fight for the cores).
     # (name, VLLM_PLUGINS, prompts): the plugin-loaded plain run needs only a few prompts.
     for name, plugins, subset in (("alone", "", prompts), ("plugin_loaded", None, prompts[:4])):
-        job = work / f"{name}_job.json"
         runs = [{"prompts": subset, "params": GREEDY}]
         if name == "alone":  # where stop conditions fall mid-path
             runs += [{"prompts": prompts, "params": p} for p in STOPPING.values()]
-        job.write_text(json.dumps({"engine": engine_kwargs(target_dir), "runs": runs}))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        env.pop("VLLM_PLUGINS", None)
-        if plugins is not None:
-            env["VLLM_PLUGINS"] = plugins
-        run = subprocess.run(
-            [sys.executable, str(REPO / "tests" / "_vllm_generate.py"), str(job),
-             str(work / f"{name}.json")],
-            env=env, capture_output=True, text=True, timeout=900,
-        )
-        assert run.returncode == 0, f"{name} run failed:\n{(run.stdout + run.stderr)[-4000:]}"
-        results[name] = json.loads((work / f"{name}.json").read_text())
+        env = {} if plugins is None else {"VLLM_PLUGINS": plugins}
+        results[name] = generate_in_subprocess({"engine": engine_kwargs(target_dir), "runs": runs},
+                                               work / name, env)
     return results
+
+
+def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None) -> dict:
+    """``tests/_vllm_generate.py`` on ``job`` in a fresh process (plugin allowed unless ``env``
+    sets VLLM_PLUGINS); its output json."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "job.json").write_text(json.dumps(job))
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    full_env.pop("VLLM_PLUGINS", None)
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"),
+                          str(work / "job.json"), str(work / "out.json")],
+                         env={**full_env, **(env or {})}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"{work.name} run failed:\n{(run.stdout + run.stderr)[-4000:]}"
+    return json.loads((work / "out.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -377,16 +381,8 @@ def test_preemption_with_a_small_kv_cache(target_dir, drafter_dir, prompts, alon
               "kv_cache_memory_bytes": 24 << 20, "disable_log_stats": False,
               "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
                                      "beam_width": 4, "beam_length": 5, "beam_policy": "fixed"}}
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"engine": engine, "runs": [{"prompts": prompts, "params": GREEDY}],
-                               "metrics": True}))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.pop("VLLM_PLUGINS", None)
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"), str(job),
-                          str(tmp_path / "out.json")], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = generate_in_subprocess({"engine": engine, "runs": [{"prompts": prompts, "params": GREEDY}],
+                                  "metrics": True}, tmp_path)
     assert out["outputs"][0] == alone
     print(f"\npreemptions: {out['metrics'].get('vllm:num_preemptions')}")
     assert out["metrics"].get("vllm:num_preemptions", 0) > 0
@@ -409,17 +405,10 @@ def test_tensor_parallel_workers_match_vllm_alone(llm, target_dir, drafter_dir, 
                                      "beam_width": 4, "beam_length": 4, "beam_policy": "fixed"}}
     sampled = {"temperature": 0.8, "seed": 7, "max_tokens": 32, "ignore_eos": True,
                **beam_shape(4, 4)}
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"engine": engine, "metrics": True, "runs": [
-        {"prompts": prompts[:n], "params": GREEDY}, {"prompts": prompts[:n], "params": sampled}]}))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "OMP_NUM_THREADS": "1"}
-    env.pop("VLLM_PLUGINS", None)
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"), str(job),
-                          str(tmp_path / "out.json")], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    job = {"engine": engine, "metrics": True, "runs": [
+        {"prompts": prompts[:n], "params": GREEDY}, {"prompts": prompts[:n], "params": sampled}]}
+    out = generate_in_subprocess(job, tmp_path, {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                                 "OMP_NUM_THREADS": "1"})
     assert out["outputs"][0] == alone[:n]
     one_worker = generate(llm, prompts[:n], [sampled] * n)
     assert out["outputs"][1] == [list(o.outputs[0].token_ids) for o in one_worker]

@@ -62,6 +62,20 @@ def engine_kwargs(target: str) -> dict:
             "max_model_len": 2048, "kv_cache_memory_bytes": 1 << 30}
 
 
+def machine() -> str:
+    """Where figures were measured: the GPU's name, or the CPU's architecture, cores and ISA."""
+    import os
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    isa = next((f for f in ("avx512_bf16", "avx512f", "avx2") if f" {f}" in flags), "")
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores {isa}".strip()
+
+
 @dataclass
 class Run:
     name: str
@@ -170,7 +184,7 @@ def main(args: argparse.Namespace) -> int:
     ours = run_batch1("vLLM + ReDrafter", {**engine, "speculative_config": spec}, prompts, params)
     figures = report(alone, ours)
     if args.json:
-        Path(args.json).write_text(json.dumps({**figures, "drafter": str(drafter),
+        Path(args.json).write_text(json.dumps({**figures, "machine": machine(), "drafter": str(drafter),
                                                "beam_width": args.beam_width,
                                                "beam_length": args.beam_length}, indent=1))
     return 0 if figures["identical_outputs"] == len(prompts) else 1

@@ -341,10 +341,8 @@ def _compute_hidden_states(pos: _Positions, target_dir: Path, data_dir: Path, me
     plan = _batch_plan(pos, batch_tokens)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device).eval()
     agree = total = 0
-    for b, batch in enumerate(tqdm(plan, desc="target hidden states", unit="batch", initial=done,
-                                   total=len(plan))):
-        if b < done:
-            continue
+    for b, batch in enumerate(tqdm(plan[done:], desc="target hidden states", unit="batch",
+                                   initial=done, total=len(plan)), start=done):
         last = [max(pos.t[i] for i in rows_of[s]) + 1 for s in batch]  # tokens needed per sequence
         width = max(last)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
@@ -363,7 +361,7 @@ def _compute_hidden_states(pos: _Positions, target_dir: Path, data_dir: Path, me
                 total += len(rows)
         h_out.flush()
         progress_file.write_text(str(b + 1))
-    meta["g0_agreement_first_batches"] = agree / max(total, 1)
+    meta["g0_agreement_first_batches"] = agree / total if total else None  # None: resumed past them
 
 
 def _is_complete(data_dir: Path, fingerprint: str) -> bool:
