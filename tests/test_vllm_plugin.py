@@ -274,9 +274,14 @@ def test_greedy_identical_to_vllm_alone_for_every_beam_shape(llm, proposer, draf
     assert_drafter_got_the_right_hidden_state(proposer.trace)
     drafts, accepted = (after[name] - before[name] for name in (
         "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"))
-    per_width = tokens_per_step(proposer.trace, outputs, [W for W in widths for _ in prompts])
+    groups = [W for W in widths for _ in prompts]
+    per_width = tokens_per_step(proposer.trace, outputs, groups)
+    width_of = {o.request_id: W for o, W in zip(outputs, groups)}
+    packed = {W: [len(r.drafts) + 1 for r in proposer.trace if r.drafts
+                  and width_of[_external_id(r.req_id, width_of)] == W] for W in widths}
+    ratio = {W: round(W * L * len(n) / sum(n), 2) for W, n in packed.items() if n}
     print(f"\n{drafter_dir.name}: {accepted / drafts:.2f} accepted draft tokens per step, L={L}; "
-          f"tokens/step per beam width {per_width}")
+          f"tokens/step per beam width {per_width}; compression W*L / packed {ratio}")
     if drafter_dir == DEFAULT_DRAFTER:  # a trained drafter must earn its keep, more with trees
         assert accepted / drafts > 0.5
         assert per_width[16] > per_width[4] > per_width[1] > 1.3, per_width
