@@ -74,7 +74,8 @@ def main() -> None:
             print(f"W={width:<3} L={length}  tokens/step {cell['tokens_per_step']:.3f}  "
                   f"draft {cell['draft_ms_per_step']:.1f} ms/step  ({time.time() - start:.0f} s)",
                   flush=True)
-    result = {"drafter": str(args.drafter), "machine": machine(), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    result = {"drafter": str(args.drafter), "machine": machine(), "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens,
               "response_tokens_in_draft_vocab": cells[0]["response_tokens_in_draft_vocab"],
               "draft_vocab_size": cells[0]["draft_vocab_size"],
               "training": training_record(args.drafter), "grid": cells}

@@ -32,3 +32,19 @@ def mt_bench_questions() -> list[str]:
     rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
     assert len(rows) == 80, f"{MT_BENCH} holds {len(rows)} questions, expected 80"
     return [row["turns"][0] for row in rows]
+
+
+def save_random_drafter(path: Path) -> Path:
+    """An untrained drafter for the embedded target (K = 1024 random draft tokens), saved at path:
+    what engine tests use when the package ships no default drafter. Never accepted."""
+    from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
+
+    torch.manual_seed(0)
+    config = DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=2 * 576, num_draft_layers=1,
+                           draft_vocab_size=1024)
+    drafter = RecurrentDrafter(config)
+    drafter.draft_vocab_ids = torch.randperm(49152)[:1024]
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    drafter.save_pretrained(path)
+    return path

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
+from conftest import save_random_drafter
 from vllm_redrafter.demo import DEFAULT_DRAFTER, first_turns
 
 
@@ -37,7 +37,7 @@ def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions
     args = ["--num-prompts", "3", "--max-tokens", "32", "--json", str(figures)]
     shipped = (DEFAULT_DRAFTER / "config.json").is_file()
     if not shipped:  # an untrained drafter: the run's figures, not its speed, are checked
-        args += ["--drafter", str(_random_drafter(tmp_path / "drafter"))]
+        args += ["--drafter", str(save_random_drafter(tmp_path / "drafter"))]
     run = subprocess.run(
         [sys.executable, "-m", "vllm_redrafter.cli", "demo", *args],
         capture_output=True, text=True, timeout=900, env={**os.environ, "VLLM_PLUGINS": "redrafter"},
@@ -50,14 +50,3 @@ def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions
     if shipped:  # the shipped drafter is accepted: more than one token per target step
         assert out["tokens_per_step"] > 1.3, out
 
-
-def _random_drafter(path):
-    from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
-
-    torch.manual_seed(0)
-    config = DrafterConfig(vocab_size=49152, hidden_size=576, exit_dim=1152, num_draft_layers=1,
-                           draft_vocab_size=1024)
-    drafter = RecurrentDrafter(config)
-    drafter.draft_vocab_ids = torch.randperm(49152)[:1024]
-    drafter.save_pretrained(path)
-    return path

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import save_random_drafter
 from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFTER = REPO / "vllm_redrafter" / "default_drafter"
 NUM_PROMPTS, MAX_TOKENS = 20, 64
-VOCAB, HIDDEN = 49152, 576
+VOCAB = 49152
 
 
 def engine_kwargs(target_dir: Path) -> dict:
@@ -60,16 +61,7 @@ STOPPING = {  # greedy runs that end early: a stop token (as EOS would), a stop 
 def drafter_dir(tmp_path_factory) -> Path:
     if (DEFAULT_DRAFTER / "config.json").is_file():
         return DEFAULT_DRAFTER
-    torch.manual_seed(0)
-    config = DrafterConfig(vocab_size=VOCAB, hidden_size=HIDDEN, exit_dim=2 * HIDDEN,
-                           num_draft_layers=1, draft_vocab_size=1024)
-    drafter = RecurrentDrafter(config)
-    drafter.draft_vocab_ids = torch.randperm(VOCAB)[:1024]
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    path = tmp_path_factory.mktemp("drafter")
-    drafter.save_pretrained(path)
-    return path
+    return save_random_drafter(tmp_path_factory.mktemp("drafter"))
 
 
 @pytest.fixture(scope="module")
