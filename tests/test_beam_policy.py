@@ -8,8 +8,10 @@ import pytest
 
 from vllm_redrafter.beam_policy import (
     AcceptanceStats,
+    BeamPolicy,
     DraftCost,
     StepCost,
+    bucket,
     candidate_widths,
     choose_shape,
 )
@@ -139,3 +141,66 @@ def test_requests_that_cannot_draft_still_share_the_step():
     assert choose_shape(1, 2, 4, cost, stats, DraftCost()).width > 0
     assert choose_shape(1, 2, 4, cost, stats, DraftCost(), others=200).width > 0
     assert choose_shape(1, 2, 4, cost, stats, DraftCost(), others=2000).width == 0
+
+
+def run_engine(policy: BeamPolicy, true_seconds, true_p: float, steps: int, seed: int = 0):
+    """Simulated batch-1 engine steps under ``policy``: per step the chosen shape, its tokens and
+    its true seconds (``true_seconds(width, length)``); acceptance P(next) = true_p per depth."""
+    rng, now, log = random.Random(seed), 0.0, []
+    for _ in range(steps):
+        policy.step(["r"], prefilling=False, now=now)
+        choice = policy.choose(1, max_nodes=64)
+        tokens = 1
+        if choice.width:
+            while tokens < choice.length and rng.random() < true_p:
+                tokens += 1
+            policy.stats.observe(choice.width, choice.length, 1 + choice.width * (choice.length - 1),
+                                 tokens - 1)
+        else:
+            policy.stats.observe_no_drafts(1)
+        seconds = true_seconds(choice.width, choice.length)
+        now += seconds
+        log.append((choice.width, tokens, seconds))
+    return log
+
+
+def test_measured_steps_overrule_a_curve_that_flatters_drafting():
+    """The curve says verifying is free; on the machine every verified token costs a whole step.
+    Timing whole steps, the policy ends up as fast as plain decoding (never slower)."""
+    flat = StepCost((1, 4096), (0.010, 0.0100001))
+    policy = BeamPolicy(flat, max_width=4, max_length=4)
+    steep = lambda width, length: 0.010 * (1 + width * (length - 1))  # noqa: E731
+    late = run_engine(policy, steep, true_p=0.6, steps=3000)[-1000:]
+    rate = sum(tokens for _, tokens, _ in late) / sum(seconds for *_, seconds in late)
+    assert rate >= 0.97 * (1 / 0.010), rate
+    assert policy.times.correction(1, 0, 0) == pytest.approx(1.0)
+    assert policy.times.correction(1, 4, 4) > 5
+
+
+def test_where_drafting_pays_a_plain_step_is_still_timed_now_and_then():
+    cost = StepCost((1, 4096), (0.010, 0.011))
+    policy = BeamPolicy(cost, max_width=2, max_length=3, plain_every=16)
+    cheap = lambda width, length: 0.010 if width == 0 else 0.0105  # noqa: E731
+    log = run_engine(policy, cheap, true_p=0.9, steps=800)
+    plain = sum(width == 0 for width, *_ in log) / len(log)
+    assert 1 / 16 - 0.01 <= plain <= 1 / 16 + 0.02
+    assert policy.times.weight[(1, 0, 0)] > 0
+
+
+def test_only_decode_steps_of_an_unchanged_batch_are_timed():
+    policy = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=3)
+    policy.step(["a"], prefilling=False, now=0.0)
+    policy.choose(1, max_nodes=8)
+    policy.step(["a", "b"], prefilling=False, now=5.0)  # b joined: its prefill was in this step
+    policy.choose(2, max_nodes=8)
+    policy.step(["a", "b"], prefilling=True, now=6.0)  # a chunked prefill ran in this step
+    timed = policy.choose(2, max_nodes=8)
+    policy.step(["a"], prefilling=False, now=10.0)  # nobody joined (b left): 4 s for one step
+    policy.step(["a"], prefilling=False, now=11.0)  # no shape was chosen for that step
+    key = (bucket(2), timed.width, timed.length)
+    assert list(policy.times.weight) == [key]
+    assert policy.times.ratio[key] == pytest.approx(4.0 / timed.seconds)
+
+
+def test_batch_buckets():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]

@@ -134,6 +134,31 @@ def dense_tree_attention(q, cu, contexts, dense_k, dense_v, tree, scale):
     return out
 
 
+@pytest.mark.parametrize(
+    "contexts, width, length, hq, hkv, dim, block_size, words, layout",
+    [
+        ([5, 0, 13], 4, 3, 4, 2, 16, 4, 64, "flash"),  # ragged, GQA 2, a request without context
+        ([9, 21], 5, 4, 2, 2, 24, 5, 32, "cpu"),  # block 5, vLLM CPU's strided view
+        ([40, 3], 12, 6, 4, 1, 16, 16, 32, "cpu"),  # T > 32: two int32 words per row
+    ],
+)
+def test_torch_tree_attention_paths_match_dense(contexts, width, length, hq, hkv, dim, block_size,
+                                                words, layout):
+    """The reference and the engine's torch path (one gather plan per step, SDPA per layer)."""
+    gen = torch.Generator().manual_seed(sum(contexts) + width)
+    tree = build_tree(random_beams(gen, len(contexts), width, length))
+    q, kc, vc, bt, cu, ctx, dense_k, dense_v = paged_case(
+        gen, contexts, tree, hq=hq, hkv=hkv, dim=dim, block_size=block_size, layout=layout
+    )
+    mask = ta.pack_tree_mask(tree.attention_mask, tree.num_packed, words)
+    expected = dense_tree_attention(q, cu, contexts, dense_k, dense_v, tree, 0.3)
+    reference = ta.tree_attention_reference(q, kc, vc, bt, cu, ctx, mask, 0.3)
+    torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
+    plan = ta.plan_tree_gather(bt, cu, ctx, mask, block_size)
+    torch.testing.assert_close(ta.tree_attention_gathered(q, kc, vc, plan, 0.3), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
 @needs_kernels
 @pytest.mark.parametrize(
     "contexts, width, length, hq, hkv, dim, block_size, words, splits, layout",

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_redrafter.kernels import pack_tree_mask, tree_attention_reference
+from vllm_redrafter.kernels import pack_tree_mask
+from vllm_redrafter.kernels.tree_attention import tree_attention_reference
 from vllm_redrafter.tree import PackedTree, build_tree, truncate_tree
 from vllm_redrafter.verify import verify_greedy, verify_greedy_choice
 from vllm_redrafter.vllm_plugin.tree_step import RequestTree, ancestor_words, build_tree_step

@@ -10,7 +10,14 @@ whose expectation for a beam shape (W, L) is ``1 + sum_{d=1}^{L-1} P(accepted >=
 
 against the plain step, ``B / target(B)``: when no shape beats it, the step goes without drafts.
 Unseen shapes are estimated optimistically (an upper confidence bound), so each is tried and then
-judged by what it measured. Nothing here imports vLLM.
+judged by what it measured.
+
+The curve and the drafter's cost are a model; what the user pays is the whole engine step
+(scheduling, the forward, the tree attention, sampling, the draft). So the policy also times whole
+steps (``StepTimes``: the wall time from one ``propose`` call to the next is one step of the shape
+chosen at the first) and scales the model's seconds, per batch size and shape, by what was
+measured; now and then it runs a plain step to keep that figure current. A shape that the model
+favours but the machine does not is then dropped once measured. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -154,11 +161,46 @@ class DraftCost:
         return (self.seconds_per_unit or 0.0) * batch * width * (length - 1)
 
 
+@dataclass
+class StepTimes:
+    """Measured whole-step seconds as a ratio to the model's, per (batch bucket, W, L); W = 0: plain.
+
+    A shape never measured in a bucket takes the bucket's mean ratio (plain steps included), so
+    every estimate there is on the measured scale; a bucket never measured, ratio 1.
+    """
+
+    decay: float = 0.9  # per observation of a key: steps drift (context grows, the text changes)
+    ratio: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    weight: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+    def observe(self, batch: int, width: int, length: int, predicted: float, seconds: float):
+        key = (bucket(batch), width, length)
+        w = self.weight.get(key, 0.0) * self.decay
+        r = seconds / predicted
+        self.ratio[key] = (self.ratio.get(key, 0.0) * w + r) / (w + 1)
+        self.weight[key] = w + 1
+
+    def correction(self, batch: int, width: int, length: int) -> float:
+        b = bucket(batch)
+        if (b, width, length) in self.ratio:
+            return self.ratio[(b, width, length)]
+        seen = [(self.ratio[k], self.weight[k]) for k in self.ratio if k[0] == b]
+        if not seen:
+            return 1.0
+        return sum(r * w for r, w in seen) / sum(w for _, w in seen)
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes share step-time figures in powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class Choice:
     width: int  # 0 when the step goes without drafts
     length: int
-    tokens_per_second: float
+    tokens_per_second: float  # expected, on the measured scale
+    seconds: float = 0.0  # the model's seconds for the step (before StepTimes' correction)
 
 
 def candidate_widths(max_width: int) -> list[int]:
@@ -171,37 +213,74 @@ def candidate_widths(max_width: int) -> list[int]:
 
 def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost,
                  stats: AcceptanceStats, draft: DraftCost, max_nodes: int | None = None,
-                 others: int = 0) -> Choice:
+                 others: int = 0, times: StepTimes | None = None) -> Choice:
     """The beam shape with the most expected tokens per second for this step (module docstring).
 
     ``batch`` requests may draft; ``others`` share the step with one token each (prefill chunks
-    count their tokens). ``max_nodes``: the most draft nodes a request may verify.
+    count their tokens). ``max_nodes``: the most draft nodes a request may verify. ``times``:
+    measured whole steps, scaling the model's seconds.
     """
-    best = Choice(0, 0, (batch + others) / target(batch + others))  # no drafts
+    n = batch + others
+
+    def scale(width: int, length: int) -> float:
+        return times.correction(n, width, length) if times is not None else 1.0
+
+    plain = target(n)
+    best = Choice(0, 0, n / (plain * scale(0, 0)), plain)
     widths = candidate_widths(max_width)
-    for width in widths:
+    for width in widths if batch else ():
         for length in range(2, max_length + 1):
             packed = stats.packed(width, length)
             if max_nodes is not None and packed - 1 > max_nodes:
                 continue
             seconds = target(batch * packed + others) + draft(batch, width, length)
             tokens = batch * stats.tokens_per_step(width, length, widths) + others
-            rate = tokens / seconds
+            rate = tokens / (seconds * scale(width, length))
             if rate > best.tokens_per_second:
-                best = Choice(width, length, rate)
+                best = Choice(width, length, rate, seconds)
     return best
 
 
 class BeamPolicy:
-    """The engine's policy state: the measured curve, the running counts, the drafter's cost."""
+    """The engine's policy state: the curve, the running counts, the drafter's cost, step times.
 
-    def __init__(self, target: StepCost, max_width: int, max_length: int) -> None:
+    The engine calls :meth:`step` once per step, before drafting, with the requests of the step
+    that just ended; that ends the timing of the previous step, if :meth:`choose` chose its shape.
+    """
+
+    def __init__(self, target: StepCost, max_width: int, max_length: int,
+                 plain_every: int = 32) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
-        self.stats, self.draft = AcceptanceStats(), DraftCost()
+        self.stats, self.draft, self.times = AcceptanceStats(), DraftCost(), StepTimes()
+        self.plain_every = plain_every  # a plain step at least this often, to keep it measured
+        self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
+        self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
+
+    def step(self, request_ids: Sequence[str], prefilling: bool, now: float) -> None:
+        """Close the timing of the previous step, if this one continues it.
+
+        A step counts when no request joined it (a joining request's prefill would be in its
+        time) and none is mid-prefill: only decode steps of the shape chosen are measured.
+        """
+        ids = frozenset(request_ids)
+        if self._open is not None and not prefilling and ids and ids <= self._open[1]:
+            start, before, choice = self._open
+            if choice is not None:
+                self.times.observe(len(before), choice.width, choice.length, choice.seconds,
+                                   now - start)
+        self._open = (now, ids, None)
 
     def choose(self, batch: int, max_nodes: int, others: int = 0) -> Choice:
-        return choose_shape(batch, self.max_width, self.max_length, self.target, self.stats,
-                            self.draft, max_nodes, others)
+        n = batch + others
+        choice = choose_shape(batch, self.max_width, self.max_length, self.target, self.stats,
+                              self.draft, max_nodes, others, self.times)
+        since = self._since_plain.get(bucket(n), self.plain_every - 2)  # the 2nd step: plain
+        if choice.width and since + 1 >= self.plain_every:
+            choice = Choice(0, 0, 0.0, self.target(n))  # measure a plain step now and then
+        self._since_plain[bucket(n)] = since + 1 if choice.width else 0
+        if self._open is not None:
+            self._open = (*self._open[:2], choice)
+        return choice
 
 
 def step_cost_path(model: str, dtype: str, device: str) -> Path:

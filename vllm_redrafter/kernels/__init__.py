@@ -5,7 +5,7 @@ Every caller (the vLLM integration, benchmarks) goes through the functions here:
 ====================  =======================================  ==============================
 function              Triton (CUDA tensors)                    torch (elsewhere)
 ====================  =======================================  ==============================
-paged_tree_attention  tree_attention.tree_attention_triton     tree_attention_reference
+paged_tree_attention  tree_attention.tree_attention_triton     tree_attention_gathered
 beam_search           fused_beam_step.beam_search_fused        beam_search.beam_search
 sample_tokens         sampling.sample_tiled (temperature only)  sampling.target_probs + race
 ====================  =======================================  ==============================
@@ -27,7 +27,12 @@ from torch import Tensor
 
 from vllm_redrafter import beam_search as _beam_search
 from vllm_redrafter import sampling as _sampling
-from vllm_redrafter.kernels.tree_attention import pack_tree_mask, tree_attention_reference
+from vllm_redrafter.kernels.tree_attention import (
+    TreeGatherPlan,
+    pack_tree_mask,
+    plan_tree_gather,
+    tree_attention_gathered,
+)
 
 __all__ = [
     "KERNELS_ENV",
@@ -70,9 +75,14 @@ def paged_tree_attention(
     context_lens: Tensor,  # [B]
     mask_words: Tensor,  # [total_q, n_words] (pack_tree_mask)
     scale: float | None = None,
+    plan: TreeGatherPlan | None = None,
     **kernel_args,
 ) -> Tensor:
-    """Paged tree attention (``tree_attention.py``): [total_q, Hq, D]."""
+    """Paged tree attention (``tree_attention.py``): [total_q, Hq, D].
+
+    ``plan``: the torch path's gather indices and mask (``plan_tree_gather``), which the layers
+    of one step share; built here when not given.
+    """
     if use_triton(q.device):
         from vllm_redrafter.kernels.tree_attention import tree_attention_triton
 
@@ -80,9 +90,10 @@ def paged_tree_attention(
             q, key_cache, value_cache, block_table, cu_seqlens_q, context_lens, mask_words, scale,
             **kernel_args,
         )
-    return tree_attention_reference(
-        q, key_cache, value_cache, block_table, cu_seqlens_q, context_lens, mask_words, scale
-    )
+    if plan is None:
+        plan = plan_tree_gather(block_table, cu_seqlens_q, context_lens, mask_words,
+                                key_cache.shape[1])
+    return tree_attention_gathered(q, key_cache, value_cache, plan, scale)
 
 
 def beam_search(

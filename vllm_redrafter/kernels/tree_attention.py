@@ -48,7 +48,10 @@ padded to a power of two inside the kernel). The torch reference is the definiti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 try:  # triton is optional: the torch reference works without it
@@ -59,7 +62,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     tl = None
 
 __all__ = [
+    "TreeGatherPlan",
     "pack_tree_mask",
+    "plan_tree_gather",
+    "tree_attention_gathered",
     "tree_attention_reference",
     "tree_attention_triton",
 ]
@@ -165,6 +171,74 @@ def tree_attention_reference(
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         out[start:end] = torch.einsum("hts,shd->thd", probs, v).to(q.dtype)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# torch path for the engine: the gather indices and the mask once per step, SDPA per layer
+
+
+@dataclass(frozen=True)
+class TreeGatherPlan:
+    """What every attention layer of one verify step shares (built once per step).
+
+    R tree requests, padded to T = max T_r queries and S = max (C_r + T_r) keys. The reference
+    above rebuilds all of this per request and per layer: ~15 small ops x R x layers per step,
+    which on a CPU cost more than the attention itself.
+    """
+
+    blocks: Tensor  # [R, S] long: physical block of key s of request r (a valid block when padded)
+    offsets: Tensor  # [R, S] long: its offset in the block
+    query_index: Tensor  # [R, T] long: q row of tree token t of request r (row 0 when padded)
+    valid: Tensor  # [R, T] bool: t < T_r
+    mask: Tensor  # [R, 1, T, S] bool: query t sees key s (padded queries see every key)
+
+
+def plan_tree_gather(
+    block_table: Tensor,  # [R, max_blocks]
+    cu_seqlens_q: Tensor,  # [R + 1]
+    context_lens: Tensor,  # [R]
+    mask_words: Tensor,  # [total_q, n_words]
+    block_size: int,
+) -> TreeGatherPlan:
+    """The :class:`TreeGatherPlan` of one step (same inputs as the reference)."""
+    device = mask_words.device
+    cu, context = cu_seqlens_q.long(), context_lens.long()
+    trees = cu[1:] - cu[:-1]  # [R]
+    lens = context + trees
+    word_bits = 32 if mask_words.dtype == torch.int32 else 64
+    s = torch.arange(int(lens.max()), device=device)[None, :]  # [1, S]
+    t = torch.arange(int(trees.max()), device=device)[None, :]  # [1, T]
+    in_range = s < lens[:, None]  # [R, S]
+    pos = torch.where(in_range, s, 0)
+    valid = t < trees[:, None]  # [R, T]
+    query_index = torch.where(valid, cu[:-1, None] + t, 0)
+    # [R, S]: tree index of key s (clamped into the request's tree; in_range masks the rest)
+    j = torch.minimum((s - context[:, None]).clamp(min=0), trees[:, None] - 1)
+    words = mask_words.long()[query_index]  # [R, T, n_words]
+    word = words.gather(2, (j // word_bits)[:, None, :].expand(-1, t.shape[1], -1))  # [R, T, S]
+    ancestor = ((word >> (j % word_bits)[:, None, :]) & 1).bool()
+    is_context = (s < context[:, None])[:, None, :]  # [R, 1, S]
+    sees = (is_context | ancestor) & in_range[:, None, :] | ~valid[:, :, None]
+    return TreeGatherPlan(
+        blocks=block_table.long().gather(1, pos // block_size), offsets=pos % block_size,
+        query_index=query_index, valid=valid, mask=sees[:, None],
+    )
+
+
+def tree_attention_gathered(
+    q: Tensor,  # [total_q, Hq, D]
+    key_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: Tensor,
+    plan: TreeGatherPlan,
+    scale: float | None = None,
+) -> Tensor:
+    """Tree attention as one padded SDPA call over K/V gathered by ``plan``: [total_q, Hq, D]."""
+    k = key_cache[plan.blocks, plan.offsets].float().transpose(1, 2)  # [R, Hkv, S, D]
+    v = value_cache[plan.blocks, plan.offsets].float().transpose(1, 2)
+    queries = q[plan.query_index].float().transpose(1, 2)  # [R, Hq, T, D]
+    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=plan.mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])  # [R, Hq, T, D]
+    return out.transpose(1, 2)[plan.valid].to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ vLLM 0.32.0's ``CPU_ATTN`` computes causal attention only. :class:`TreeCPUAttent
 (registered over ``CPU_ATTN`` by the plugin) runs vLLM's own kernel for every row, then, on a
 verify step whose trees are not all chains, recomputes the tree rows with the tree mask: node j
 attends to the request's context and to its ancestors (``kernels.paged_tree_attention``, reading
-the paged cache through the block table; the Triton kernel on CUDA, the torch reference here).
+the paged cache through the block table; the Triton kernel on CUDA; here one padded SDPA
+per layer over K/V gathered by indices built once per step).
 Outside a tree step (prefill, plain decode, chains, vLLM without redrafter) nothing changes.
 
 The cache layout is vLLM's and depends on the ISA: on ``vec``/``vec16`` (AVX2, AVX-512 without
@@ -34,7 +35,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from vllm_redrafter.kernels import paged_tree_attention
+from vllm_redrafter.kernels import paged_tree_attention, plan_tree_gather, use_triton
 from vllm_redrafter.vllm_plugin.tree_step import TreeAttentionInputs
 
 logger = logging.getLogger(__name__)
@@ -91,9 +92,17 @@ class TreeAttentionMixin:
             raise RuntimeError("ReDrafter tree step on an attention layer without tree support")
         key_cache, value_cache = self.tree_cache_views(layer, kv_cache)
         context_lens = attn_metadata.seq_lens[tree.requests].long() - tree.num_nodes
+        block_table = attn_metadata.block_table[tree.requests]
+        plan = None
+        if not use_triton(query.device):  # the torch path: one gather plan for all layers
+            plan = tree.plans.get(key_cache.shape[1])
+            if plan is None:
+                plan = tree.plans[key_cache.shape[1]] = plan_tree_gather(
+                    block_table, tree.cu_seqlens_q, context_lens, tree.mask_words,
+                    key_cache.shape[1])
         out = paged_tree_attention(
-            query[tree.rows], key_cache, value_cache, attn_metadata.block_table[tree.requests],
-            tree.cu_seqlens_q, context_lens, tree.mask_words, scale=self.scale,
+            query[tree.rows], key_cache, value_cache, block_table, tree.cu_seqlens_q,
+            context_lens, tree.mask_words, scale=self.scale, plan=plan,
         )
         output.view(output.shape[0], -1)[tree.rows] = out.reshape(out.shape[0], -1).to(output.dtype)
         return output

@@ -40,6 +40,7 @@ from vllm_redrafter.vllm_plugin.config import (
     request_settings,
     settings_from_extra_config,
 )
+from vllm_redrafter.vllm_plugin.cpu_gemm import use_vllm_cpu_gemm
 from vllm_redrafter.vllm_plugin.timing import StepTimings, timed
 from vllm_redrafter.vllm_plugin.tree_step import RequestTree
 
@@ -117,6 +118,8 @@ class ReDrafterProposer:
             device=weight.device,
             dtype=weight.dtype,
         ).eval()
+        if weight.device.type == "cpu":
+            use_vllm_cpu_gemm(self.drafter)  # ~3.5x faster beam steps than torch's linear here
         self.target = target
         self.policy = self._load_policy(weight)
         logger.info(
@@ -164,6 +167,8 @@ class ReDrafterProposer:
         """
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         if self.policy is not None:
+            self.policy.step([r.req_id for r in requests],
+                             prefilling=not all(sampled_token_ids), now=time.perf_counter())
             self._observe_verified(sampled_token_ids, requests)
         self.trees, self.shapes = {}, {}
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts

@@ -133,6 +133,7 @@ class TreeAttentionInputs:
     cu_seqlens_q: Tensor  # [R + 1] int32
     num_nodes: Tensor  # [R] long: T_r
     mask_words: Tensor  # [total_q, n_words] int64 ancestor bitmask (kernels/tree_attention.py)
+    plans: dict = field(default_factory=dict)  # block_size -> TreeGatherPlan, built by layer 1
 
 
 def ancestor_words(parent: Sequence[int]) -> Tensor:
