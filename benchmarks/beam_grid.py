@@ -92,6 +92,8 @@ def main() -> None:
     alone = LLM(**engine)
     ours = LLM(**engine, speculative_config=spec)
     plain = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    for llm in (alone, ours):  # warm-up: first-call costs out of the first cell
+        per_request_rate(llm, prompts[:2], [plain] * 2)
     cells = []
     for batch in tqdm(args.batch_sizes, desc="batch sizes"):
         base = per_request_rate(alone, prompts[:batch], [plain] * batch)

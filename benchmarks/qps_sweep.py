@@ -1,15 +1,19 @@
-"""Serving under load: ``vllm serve`` with and without ReDrafter, driven by ``vllm bench serve``.
+"""Serving under load: ``vllm serve`` alone and with ReDrafter (policy on and off), by ``vllm bench serve``.
 
-Both servers run side by side (the same target, flags and KV space; ports 8100 and 8101), and at
-each request rate vLLM's own benchmark client sends the same MT-Bench questions (first turn, the
-server applies the chat template) to each, the order alternating per rate. Per rate and server:
-output throughput, TTFT and TPOT (mean, median, p99). Printed as a table, written as JSON with
-every raw result of ``vllm bench serve``, and drawn as speedup (throughput and TPOT) vs load.
-With ``beam_policy: auto`` (the default), ReDrafter turns speculation down or off where it would
-not pay; measure its step cost first (``benchmarks/step_cost.py``).
+Three servers run side by side (the same target, flags and KV space): vLLM alone, ReDrafter with
+its beam policy (``auto``: it picks W <= --beam-width, L <= --beam-length per step from the
+measured step cost and whole-step times, drafting only where it pays) and ReDrafter with the
+shape fixed. At each load, a concurrency (closed loop: C requests in flight) or a request rate,
+vLLM's own benchmark client sends the same MT-Bench questions (first turn, the server applies the
+chat template) to each, the order rotating per load. Per load and server: output throughput,
+TTFT and TPOT (mean, median, p99), and for ReDrafter the fraction of request-steps that drafted
+(from the server's /metrics). Printed as a table, written as JSON with every raw result of
+``vllm bench serve``, and drawn as ratios to vLLM alone vs load. Measure the step cost first
+(``benchmarks/step_cost.py``): without it the policy is off.
 
-    python benchmarks/qps_sweep.py --drafter DIR [--rates 0.5,1,2,4,inf] [--num-prompts 40]
-        [--max-tokens 64] [--beam-width 4 --beam-length 4] [--out benchmarks/results/qps_sweep.json]
+    python benchmarks/qps_sweep.py [--drafter DIR] [--concurrency 1,2,4,8,16] [--rates R,...]
+        [--prompts-per-level 8] [--max-tokens 64] [--beam-width 4 --beam-length 4]
+        [--out benchmarks/results/qps_sweep.json]
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from pathlib import Path
 
 from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns, machine
 
-PORTS = {"alone": 8100, "redrafter": 8101}
+PORTS = {"alone": 8100, "policy": 8101, "fixed": 8102}
+ARMS = ("policy", "fixed")  # the ReDrafter servers
+NUM_QUESTIONS = 80  # MT-Bench's
 METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
            "median_tpot_ms", "p99_tpot_ms")
 
@@ -63,22 +69,55 @@ def wait_healthy(server: subprocess.Popen, port: int, log: Path, timeout: float 
     raise TimeoutError(f"server on {port} not healthy after {timeout} s")
 
 
-def bench(name: str, target: str, dataset: Path, rate: str, args, work: Path) -> dict:
-    result = work / f"{name}_{rate}.json"
+def bench(name: str, target: str, dataset: Path, load: dict, args, work: Path) -> dict:
+    """One ``vllm bench serve`` run against server ``name`` at ``load`` (concurrency or rate)."""
+    result = work / f"{name}_{load['label']}.json"
+    level = (["--max-concurrency", str(load["concurrency"]), "--request-rate", "inf"]
+             if "concurrency" in load else ["--request-rate", load["rate"]])
     run = subprocess.run(cli(
         "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
         "--base-url", f"http://127.0.0.1:{PORTS[name]}", "--model", target, "--tokenizer", target,
         "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
-        "--num-prompts", str(args.num_prompts), "--sharegpt-output-len", str(args.max_tokens),
-        "--ignore-eos", "--request-rate", rate, "--temperature", "0",
+        "--num-prompts", str(load["num_prompts"]), "--sharegpt-output-len", str(args.max_tokens),
+        "--ignore-eos", *level, "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         "--save-result", "--result-dir", str(work), "--result-filename", result.name,
         "--seed", "0", "--disable-tqdm",
     ), capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed ({name}, rate {rate}):\n"
+        raise RuntimeError(f"vllm bench serve failed ({name}, {load['label']}):\n"
                            f"{(run.stdout + run.stderr)[-3000:]}")
     return json.loads(result.read_text())
+
+
+def counters(name: str) -> dict[str, float]:
+    """The server's spec-decode and generation counters (summed over labels) from /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORTS[name]}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    wanted = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+              "vllm:generation_tokens_total")
+    totals = dict.fromkeys(wanted, 0.0)
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def drafted_fraction(after: dict, before: dict) -> float | None:
+    """Request-steps that carried drafts / all request-steps (each emits 1 + its accepted)."""
+    delta = {k: after[k] - before[k] for k in after}
+    steps = delta["vllm:generation_tokens_total"] - delta["vllm:spec_decode_num_accepted_tokens_total"]
+    return delta["vllm:spec_decode_num_drafts_total"] / steps if steps > 0 else None
+
+
+def loads(args) -> list[dict]:
+    if args.rates:
+        return [{"label": f"rate {r}", "rate": r, "num_prompts": args.num_prompts or 40}
+                for r in args.rates.split(",")]
+    return [{"label": f"c{c}", "concurrency": int(c),
+             "num_prompts": args.num_prompts or min(NUM_QUESTIONS, args.prompts_per_level * int(c))}
+            for c in args.concurrency.split(",")]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -87,29 +126,47 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r["rate"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(labels, [r["throughput_speedup"] for r in rows], marker="o", label="output throughput")
-    ax.plot(labels, [r["tpot_speedup"] for r in rows], marker="s", label="1 / mean TPOT")
+    labels = [r["load"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm, style in (("policy", "-"), ("fixed", ":")):
+        ax.plot(labels, [r[f"{arm}_throughput_ratio"] for r in rows], "o" + style,
+                label=f"{arm}: output throughput")
+        ax.plot(labels, [r[f"{arm}_tpot_ratio"] for r in rows], "s" + style,
+                label=f"{arm}: 1 / median TPOT")
     ax.axhline(1.0, color="gray", lw=1)
-    ax.set_xlabel("request rate (req/s)")
+    ax.set_xlabel("load")
     ax.set_ylabel("ReDrafter / vLLM alone")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'load':>8} | {'throughput tok/s alone/policy/fixed':>36} | "
+          f"{'median TPOT ms alone/policy/fixed':>34} | {'p99 TPOT ms':>20} | "
+          f"{'ratio policy/fixed':>18} | drafted policy/fixed")
+    for row in rows:
+        arms = ("alone", *ARMS)
+        tput = "/".join(f"{row[f'{a}_output_throughput']:.1f}" for a in arms)
+        tpot = "/".join(f"{row[f'{a}_median_tpot_ms']:.1f}" for a in arms)
+        p99 = "/".join(f"{row[f'{a}_p99_tpot_ms']:.0f}" for a in arms)
+        ratio = "/".join(f"{row[f'{a}_throughput_ratio']:.2f}" for a in ARMS)
+        drafted = "/".join(f"{row[f'{a}_drafted_fraction'] or 0:.2f}" for a in ARMS)
+        print(f"{row['load']:>8} | {tput:>36} | {tpot:>34} | {p99:>20} | {ratio:>18} | {drafted}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--prompts", type=Path, default=None)
-    parser.add_argument("--rates", default="0.5,1,2,4,inf")
-    parser.add_argument("--num-prompts", type=int, default=40)
+    parser.add_argument("--concurrency", default="1,2,4,8,16")
+    parser.add_argument("--rates", default=None, help="request rates instead of concurrencies")
+    parser.add_argument("--prompts-per-level", type=int, default=8, help="x the concurrency")
+    parser.add_argument("--num-prompts", type=int, default=None, help="the same at every load")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--beam-length", type=int, default=4)
-    parser.add_argument("--beam-policy", default="auto", choices=("auto", "fixed"))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "qps_sweep.json")
     args = parser.parse_args()
 
@@ -118,10 +175,11 @@ def main() -> None:
     if not (args.drafter / "config.json").is_file():
         raise SystemExit(f"no drafter at {args.drafter} (pass --drafter DIR)")
     target = str(prepare_target())
-    spec = {"method": "redrafter", "model": str(args.drafter.resolve()),
-            "beam_width": args.beam_width, "beam_length": args.beam_length,
-            "beam_policy": args.beam_policy}
-    questions = first_turns(args.prompts or find_mt_bench(), 80)
+    specs = {arm: {"method": "redrafter", "model": str(args.drafter.resolve()),
+                   "beam_width": args.beam_width, "beam_length": args.beam_length,
+                   "beam_policy": "auto" if arm == "policy" else "fixed"} for arm in ARMS}
+    levels = loads(args)
+    questions = first_turns(args.prompts or find_mt_bench(), NUM_QUESTIONS)
     rows, raw = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -129,25 +187,34 @@ def main() -> None:
         dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": q},
                                                           {"from": "gpt", "value": ""}]}
                                        for q in questions]))
-        servers = {name: start_server(name, target, spec if name == "redrafter" else None,
-                                      work / f"{name}.log") for name in PORTS}
+        servers = {name: start_server(name, target, specs.get(name), work / f"{name}.log")
+                   for name in PORTS}
         try:
             for name, server in servers.items():
                 wait_healthy(server, PORTS[name], work / f"{name}.log")
-            for i, rate in enumerate(args.rates.split(",")):
-                order = list(PORTS) if i % 2 == 0 else list(reversed(PORTS))
-                result = {name: bench(name, target, dataset, rate, args, work) for name in order}
-                raw[rate] = {name: {k: v for k, v in res.items() if not isinstance(v, list)}
-                             for name, res in result.items()}  # the scalars, not per request
-                a, r = result["alone"], result["redrafter"]
-                rows.append({"rate": rate,
-                             **{f"alone_{m}": a.get(m) for m in METRICS},
-                             **{f"redrafter_{m}": r.get(m) for m in METRICS},
-                             "throughput_speedup": r["output_throughput"] / a["output_throughput"],
-                             "tpot_speedup": a["mean_tpot_ms"] / r["mean_tpot_ms"]})
-                print(f"rate {rate}: throughput {a['output_throughput']:.1f} -> "
-                      f"{r['output_throughput']:.1f} tok/s, mean TPOT {a['mean_tpot_ms']:.1f} -> "
-                      f"{r['mean_tpot_ms']:.1f} ms", flush=True)
+            for i, load in enumerate(levels):
+                names = list(PORTS)
+                order = names[i % 3:] + names[: i % 3]
+                result, drafted = {}, {}
+                for name in order:
+                    before = counters(name) if name in ARMS else None
+                    result[name] = bench(name, target, dataset, load, args, work)
+                    if before is not None:
+                        drafted[name] = drafted_fraction(counters(name), before)
+                raw[load["label"]] = {name: {k: v for k, v in res.items() if not isinstance(v, list)}
+                                      for name, res in result.items()}  # scalars, not per request
+                a = result["alone"]
+                row = {"load": load["label"], **{f"alone_{m}": a.get(m) for m in METRICS}}
+                for arm in ARMS:
+                    r = result[arm]
+                    row.update({f"{arm}_{m}": r.get(m) for m in METRICS})
+                    row[f"{arm}_throughput_ratio"] = r["output_throughput"] / a["output_throughput"]
+                    row[f"{arm}_tpot_ratio"] = a["median_tpot_ms"] / r["median_tpot_ms"]
+                    row[f"{arm}_drafted_fraction"] = drafted[arm]
+                rows.append(row)
+                print(f"{load['label']}: throughput alone {a['output_throughput']:.1f}, policy "
+                      f"{row['policy_output_throughput']:.1f}, fixed {row['fixed_output_throughput']:.1f}"
+                      f" tok/s; drafted {drafted['policy']:.2f} / {drafted['fixed']:.2f}", flush=True)
         finally:
             for server in servers.values():
                 os.killpg(server.pid, signal.SIGINT)
@@ -157,19 +224,9 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     os.killpg(server.pid, signal.SIGKILL)
 
-    print(f"\n{'rate':>6} | {'throughput tok/s':>20} | {'TTFT ms mean/p50/p99':>34} | "
-          f"{'TPOT ms mean/p50/p99':>30} | speedup")
-    for row in rows:
-        ttft = [f"{row[f'{arm}_{m}_ttft_ms']:.0f}" for arm in ("alone", "redrafter")
-                for m in ("mean", "median", "p99")]
-        tpot = [f"{row[f'{arm}_{m}_tpot_ms']:.1f}" for arm in ("alone", "redrafter")
-                for m in ("mean", "median", "p99")]
-        print(f"{row['rate']:>6} | {row['alone_output_throughput']:>8.1f} -> "
-              f"{row['redrafter_output_throughput']:>8.1f} | {'/'.join(ttft[:3]):>15} -> "
-              f"{'/'.join(ttft[3:]):>15} | {'/'.join(tpot[:3]):>13} -> {'/'.join(tpot[3:]):>13} | "
-              f"{row['throughput_speedup']:.2f}x")
+    print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "spec": spec, "num_prompts": args.num_prompts,
+    args.out.write_text(json.dumps({"machine": machine(), "specs": specs, "loads": levels,
                                     "max_tokens": args.max_tokens, "rows": rows, "raw": raw},
                                    indent=1, default=str))
     plot(rows, args.out.with_suffix(".png"))
