@@ -11,6 +11,7 @@ from vllm_redrafter.beam_policy import (
     BeamPolicy,
     DraftCost,
     StepCost,
+    StepTimes,
     bucket,
     candidate_widths,
     choose_shape,
@@ -198,8 +199,31 @@ def test_only_decode_steps_of_an_unchanged_batch_are_timed():
     policy.step(["a"], prefilling=False, now=10.0)  # nobody joined (b left): 4 s for one step
     policy.step(["a"], prefilling=False, now=11.0)  # no shape was chosen for that step
     key = (bucket(2), timed.width, timed.length)
-    assert list(policy.times.weight) == [key]
-    assert policy.times.ratio[key] == pytest.approx(4.0 / timed.seconds)
+    assert policy.times.warmed == {key} and not policy.times.ratio  # a key's first step: warm-up
+    policy.step(["a", "b"], prefilling=False, now=20.0)  # b joined again: not timed
+    chosen = []
+    for now in (23.0, 26.0, 29.0, 32.0, 35.0):  # steps of 3 s each
+        chosen.append(policy.choose(2, max_nodes=8))
+        policy.step(["a", "b"], prefilling=False, now=now)
+    for c in chosen:
+        key = (bucket(2), c.width, c.length)
+        if key in policy.times.ratio:
+            assert policy.times.ratio[key] == pytest.approx(3.0 / c.seconds)
+    warm = {(2, timed.width, timed.length)}
+    twice = {(2, c.width, c.length) for i, c in enumerate(chosen)
+             if (2, c.width, c.length) in warm | {(2, d.width, d.length) for d in chosen[:i]}}
+    assert set(policy.times.ratio) == twice and twice
+
+
+def test_step_times_skip_warm_up_and_clip_outliers():
+    times = StepTimes(decay=1.0, clip=2.0)
+    times.observe(1, 1, 3, predicted=0.05, seconds=5.0)  # first step of the shape: not counted
+    assert times.correction(1, 1, 3) == 1.0
+    times.observe(1, 1, 3, predicted=0.05, seconds=0.06)
+    times.observe(1, 1, 3, predicted=0.05, seconds=6.0)  # a pause: moves the ratio by <= 2x
+    assert times.correction(1, 1, 3) == pytest.approx((1.2 + 2.4) / 2)
+    assert times.correction(1, 4, 4) == times.correction(1, 1, 3)  # unseen: the bucket's mean
+    assert times.correction(2, 1, 3) == 1.0  # another bucket
 
 
 def test_batch_buckets():

@@ -89,7 +89,7 @@ class AcceptanceStats:
     """
 
     decay: float = 0.999  # per observation: recent steps weigh more (the text changes)
-    explore: float = 0.5  # weight of the upper confidence bound
+    explore: float = 0.05  # weight of the upper confidence bound (simulated: 0.5 cost 10-20%)
     hits: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> accepted >= d
     trials: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> observations
     packed_sum: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, L) -> nodes
@@ -166,17 +166,27 @@ class StepTimes:
     """Measured whole-step seconds as a ratio to the model's, per (batch bucket, W, L); W = 0: plain.
 
     A shape never measured in a bucket takes the bucket's mean ratio (plain steps included), so
-    every estimate there is on the measured scale; a bucket never measured, ratio 1.
+    every estimate there is on the measured scale; a bucket never measured, ratio 1. The first
+    step of a key is not counted: new shapes pay one-time costs (oneDNN builds a GEMM primitive
+    per new row count), and a shape judged by that step would never be tried again. Later steps
+    move a key's ratio by at most a factor ``clip`` each (a page fault or a GC pause is one step).
     """
 
     decay: float = 0.9  # per observation of a key: steps drift (context grows, the text changes)
+    clip: float = 2.0
     ratio: dict[tuple[int, int, int], float] = field(default_factory=dict)
     weight: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    warmed: set[tuple[int, int, int]] = field(default_factory=set)
 
     def observe(self, batch: int, width: int, length: int, predicted: float, seconds: float):
         key = (bucket(batch), width, length)
-        w = self.weight.get(key, 0.0) * self.decay
+        if key not in self.warmed:
+            self.warmed.add(key)
+            return
         r = seconds / predicted
+        if key in self.ratio:
+            r = min(max(r, self.ratio[key] / self.clip), self.ratio[key] * self.clip)
+        w = self.weight.get(key, 0.0) * self.decay
         self.ratio[key] = (self.ratio.get(key, 0.0) * w + r) / (w + 1)
         self.weight[key] = w + 1
 
