@@ -21,11 +21,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns, machine
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
+from vllm_redrafter.demo import (
+    DEFAULT_DRAFTER,
+    engine_kwargs,
+    find_mt_bench,
+    first_turns,
+    int_list,
+    machine,
+)
 
 
 def per_request_rate(llm, prompts: list[list[int]], params: list) -> float:

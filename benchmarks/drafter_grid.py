@@ -23,12 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _reference import load_target, mt_bench_prompts, run_reference  # noqa: E402
 
-from vllm_redrafter.demo import DEFAULT_DRAFTER, machine  # noqa: E402
+from vllm_redrafter.demo import DEFAULT_DRAFTER, int_list, machine  # noqa: E402
 from vllm_redrafter.target import prepare_target  # noqa: E402
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
 
 
 def training_record(drafter_dir: Path) -> dict | None:

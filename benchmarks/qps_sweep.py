@@ -1,4 +1,4 @@
-"""Serving under load: ``vllm serve`` alone and with ReDrafter (policy on and off), by ``vllm bench serve``.
+"""Serving under load: ``vllm serve`` alone and with ReDrafter (policy on, off), ``vllm bench serve``.
 
 Three servers run side by side (the same target, flags and KV space): vLLM alone, ReDrafter with
 its beam policy (``auto``: it picks W <= --beam-width, L <= --beam-length per step from the
@@ -107,7 +107,8 @@ def counters(name: str) -> dict[str, float]:
 def drafted_fraction(after: dict, before: dict) -> float | None:
     """Request-steps that carried drafts / all request-steps (each emits 1 + its accepted)."""
     delta = {k: after[k] - before[k] for k in after}
-    steps = delta["vllm:generation_tokens_total"] - delta["vllm:spec_decode_num_accepted_tokens_total"]
+    steps = (delta["vllm:generation_tokens_total"]
+             - delta["vllm:spec_decode_num_accepted_tokens_total"])
     return delta["vllm:spec_decode_num_drafts_total"] / steps if steps > 0 else None
 
 
@@ -167,7 +168,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--beam-length", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "qps_sweep.json")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "qps_sweep.json")
     args = parser.parse_args()
 
     from vllm_redrafter.target import prepare_target
@@ -201,8 +203,9 @@ def main() -> None:
                     result[name] = bench(name, target, dataset, load, args, work)
                     if before is not None:
                         drafted[name] = drafted_fraction(counters(name), before)
-                raw[load["label"]] = {name: {k: v for k, v in res.items() if not isinstance(v, list)}
-                                      for name, res in result.items()}  # scalars, not per request
+                raw[load["label"]] = {  # the scalars, not the per-request lists
+                    name: {k: v for k, v in res.items() if not isinstance(v, list)}
+                    for name, res in result.items()}
                 a = result["alone"]
                 row = {"load": load["label"], **{f"alone_{m}": a.get(m) for m in METRICS}}
                 for arm in ARMS:
@@ -212,9 +215,10 @@ def main() -> None:
                     row[f"{arm}_tpot_ratio"] = a["median_tpot_ms"] / r["median_tpot_ms"]
                     row[f"{arm}_drafted_fraction"] = drafted[arm]
                 rows.append(row)
-                print(f"{load['label']}: throughput alone {a['output_throughput']:.1f}, policy "
-                      f"{row['policy_output_throughput']:.1f}, fixed {row['fixed_output_throughput']:.1f}"
-                      f" tok/s; drafted {drafted['policy']:.2f} / {drafted['fixed']:.2f}", flush=True)
+                print(f"{load['label']}: throughput alone {a['output_throughput']:.1f}, "
+                      f"policy {row['policy_output_throughput']:.1f}, "
+                      f"fixed {row['fixed_output_throughput']:.1f} tok/s; drafted "
+                      f"{drafted['policy'] or 0:.2f} / {drafted['fixed'] or 0:.2f}", flush=True)
         finally:
             for server in servers.values():
                 os.killpg(server.pid, signal.SIGINT)

@@ -27,10 +27,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_PLUGINS", "")  # vLLM alone: the target's own cost
 
 from vllm_redrafter.beam_policy import StepCost, step_cost_path  # noqa: E402
-
-
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
+from vllm_redrafter.demo import int_list  # noqa: E402
 
 
 def measure(llm, batch: int, tokens: int, context: int, repeats: int, vocab: int,

@@ -189,30 +189,25 @@ def test_where_drafting_pays_a_plain_step_is_still_timed_now_and_then():
 
 
 def test_only_decode_steps_of_an_unchanged_batch_are_timed():
-    policy = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=3)
-    policy.step(["a"], prefilling=False, now=0.0)
-    policy.choose(1, max_nodes=8)
-    policy.step(["a", "b"], prefilling=False, now=5.0)  # b joined: its prefill was in this step
-    policy.choose(2, max_nodes=8)
-    policy.step(["a", "b"], prefilling=True, now=6.0)  # a chunked prefill ran in this step
-    timed = policy.choose(2, max_nodes=8)
-    policy.step(["a"], prefilling=False, now=10.0)  # nobody joined (b left): 4 s for one step
-    policy.step(["a"], prefilling=False, now=11.0)  # no shape was chosen for that step
-    key = (bucket(2), timed.width, timed.length)
-    assert policy.times.warmed == {key} and not policy.times.ratio  # a key's first step: warm-up
-    policy.step(["a", "b"], prefilling=False, now=20.0)  # b joined again: not timed
-    chosen = []
-    for now in (23.0, 26.0, 29.0, 32.0, 35.0):  # steps of 3 s each
-        chosen.append(policy.choose(2, max_nodes=8))
-        policy.step(["a", "b"], prefilling=False, now=now)
-    for c in chosen:
-        key = (bucket(2), c.width, c.length)
-        if key in policy.times.ratio:
-            assert policy.times.ratio[key] == pytest.approx(3.0 / c.seconds)
-    warm = {(2, timed.width, timed.length)}
-    twice = {(2, c.width, c.length) for i, c in enumerate(chosen)
-             if (2, c.width, c.length) in warm | {(2, d.width, d.length) for d in chosen[:i]}}
-    assert set(policy.times.ratio) == twice and twice
+    """``step(ids, prefilling, now)`` ends the step begun by the previous call: it is timed only
+    if a shape was chosen for it, nobody joined it and no prefill ran in it."""
+    policy = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=2,
+                        plain_every=None)  # W=1 L=2 at every step: drafting pays on this curve
+
+    def step(ids: list[str], now: float, prefilling: bool = False, choose: bool = True):
+        policy.step(ids, prefilling=prefilling, now=now)
+        return policy.choose(len(ids), max_nodes=8) if choose else None
+
+    step(["a"], 0.0)
+    step(["a", "b"], 5.0)  # b joined: its prefill was in this step
+    step(["a", "b"], 6.0, prefilling=True)  # a chunked prefill ran in this step
+    step(["a"], 9.0, choose=False)  # b left: timed (3 s), the first step of (2, 1, 2): warm-up
+    step(["a"], 10.0)  # no shape was chosen for the step that ends here
+    step(["a"], 12.0, choose=False)  # timed (2 s), the first step of (1, 1, 2): warm-up
+    last = policy.choose(1, max_nodes=8)
+    step(["a"], 14.5, choose=False)  # timed: 2.5 s
+    assert policy.times.warmed == {(2, 1, 2), (1, 1, 2)}
+    assert policy.times.ratio == {(1, 1, 2): pytest.approx(2.5 / last.seconds)}
 
 
 def test_step_times_skip_warm_up_and_clip_outliers():

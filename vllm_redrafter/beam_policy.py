@@ -259,10 +259,10 @@ class BeamPolicy:
     """
 
     def __init__(self, target: StepCost, max_width: int, max_length: int,
-                 plain_every: int = 32) -> None:
+                 plain_every: int | None = 32) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats, self.draft, self.times = AcceptanceStats(), DraftCost(), StepTimes()
-        self.plain_every = plain_every  # a plain step at least this often, to keep it measured
+        self.plain_every = plain_every  # a plain step at least this often (None: never forced)
         self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
         self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
 
@@ -284,8 +284,9 @@ class BeamPolicy:
         n = batch + others
         choice = choose_shape(batch, self.max_width, self.max_length, self.target, self.stats,
                               self.draft, max_nodes, others, self.times)
-        since = self._since_plain.get(bucket(n), self.plain_every - 2)  # the 2nd step: plain
-        if choice.width and since + 1 >= self.plain_every:
+        every = self.plain_every
+        since = self._since_plain.get(bucket(n), (every or 2) - 2)  # a bucket's 2nd step: plain
+        if every and choice.width and since + 1 >= every:
             choice = Choice(0, 0, 0.0, self.target(n))  # measure a plain step now and then
         self._since_plain[bucket(n)] = since + 1 if choice.width else 0
         if self._open is not None:

@@ -62,6 +62,11 @@ def engine_kwargs(target: str) -> dict:
             "max_model_len": 2048, "kv_cache_memory_bytes": 1 << 30}
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of ints, as benchmark flags take them: ``"1,2,4"`` -> [1, 2, 4]."""
+    return [int(x) for x in text.split(",")]
+
+
 def machine() -> str:
     """Where figures were measured: the GPU's name, or the CPU's architecture, cores and ISA."""
     import os
