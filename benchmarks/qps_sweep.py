@@ -29,7 +29,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_redrafter.demo import DEFAULT_DRAFTER, engine_kwargs, find_mt_bench, first_turns, machine
+from vllm_redrafter.demo import (
+    DEFAULT_DRAFTER,
+    engine_kwargs,
+    find_mt_bench,
+    first_turns,
+    machine,
+    metric_totals,
+)
 
 PORTS = {"alone": 8100, "policy": 8101, "fixed": 8102}
 ARMS = ("policy", "fixed")  # the ReDrafter servers
@@ -93,15 +100,9 @@ def bench(name: str, target: str, dataset: Path, load: dict, args, work: Path) -
 def counters(name: str) -> dict[str, float]:
     """The server's spec-decode and generation counters (summed over labels) from /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{PORTS[name]}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    wanted = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
-              "vllm:generation_tokens_total")
-    totals = dict.fromkeys(wanted, 0.0)
-    for line in text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+        return metric_totals(r.read().decode(), (
+            "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+            "vllm:generation_tokens_total"))
 
 
 def drafted_fraction(after: dict, before: dict) -> float | None:

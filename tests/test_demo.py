@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import save_random_drafter
-from vllm_redrafter.demo import DEFAULT_DRAFTER, first_turns
+from vllm_redrafter.demo import DEFAULT_DRAFTER, first_turns, metric_totals
 
 
 def test_prompt_file_errors_name_the_line(tmp_path):
@@ -22,6 +22,19 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     empty.write_text("\n")
     with pytest.raises(ValueError, match="holds no questions"):
         first_turns(empty, 10)
+
+
+def test_metric_totals_sum_a_counter_over_its_labels():
+    """On a /metrics page as vLLM's prometheus_client writes it (labels, _created samples)."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    drafts = Counter("vllm:spec_decode_num_drafts", "drafts", ["engine"], registry=registry)
+    drafts.labels("0").inc(3)
+    drafts.labels("1").inc(4)
+    text = generate_latest(registry).decode()
+    assert metric_totals(text, ["vllm:spec_decode_num_drafts_total", "vllm:absent_total"]) == {
+        "vllm:spec_decode_num_drafts_total": 7.0, "vllm:absent_total": 0.0}
 
 
 def test_missing_drafter_says_how_to_get_one(tmp_path):

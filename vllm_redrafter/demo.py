@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,18 @@ class Run:
         drafts = self.spec.get("vllm:spec_decode_num_drafts") or 0
         per_pos = self.spec.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
         return [a / drafts for a in per_pos if drafts] if drafts else []
+
+
+def metric_totals(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Each named sample of a Prometheus ``/metrics`` page, summed over its labels (0 if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals
 
 
 def spec_counters(llm) -> dict[str, object]:
