@@ -3,16 +3,20 @@
 Three servers run side by side (the same target, flags and KV space): vLLM alone, ReDrafter with
 its beam policy (``auto``: it picks W <= --beam-width, L <= --beam-length per step from the
 measured step cost and whole-step times, drafting only where it pays) and ReDrafter with the
-shape fixed. At each load, a concurrency (closed loop: C requests in flight) or a request rate,
-vLLM's own benchmark client sends the same MT-Bench questions (first turn, the server applies the
-chat template) to each, the order rotating per load. Per load and server: output throughput,
-TTFT and TPOT (mean, median, p99), and for ReDrafter the fraction of request-steps that drafted
-(from the server's /metrics). Printed as a table, written as JSON with every raw result of
-``vllm bench serve``, and drawn as ratios to vLLM alone vs load. Measure the step cost first
+shape fixed. Each server first answers a warm-up round (not counted: a server in production is
+long past its first requests, and the policy has learnt this machine). Then at each load, a
+concurrency (closed loop: C requests in flight) or a request rate, vLLM's own benchmark client
+sends the same MT-Bench questions (first turn, the server applies the chat template) to each
+server, ``--repeats`` times with the order of the servers rotating and reversing, so that drift
+hits all alike. Per load and server, pooled over the repeats: output throughput (all tokens / all
+seconds), TTFT and TPOT (mean, median, p99 over every request), and for ReDrafter the fraction of
+request-steps that drafted (from the server's /metrics). Printed as a table, written as JSON with
+every run's scalars, and drawn as ratios to vLLM alone vs load. Measure the step cost first
 (``benchmarks/step_cost.py``): without it the policy is off.
 
     python benchmarks/qps_sweep.py [--drafter DIR] [--concurrency 1,2,4,8,16] [--rates R,...]
-        [--prompts-per-level 8] [--max-tokens 64] [--beam-width 4 --beam-length 4]
+        [--prompts-per-level 6] [--repeats 2] [--warmup-prompts 16] [--max-tokens 64]
+        [--beam-width 4 --beam-length 4]
         [--out benchmarks/results/qps_sweep.json]
 """
 
@@ -113,6 +117,50 @@ def drafted_fraction(after: dict, before: dict) -> float | None:
     return delta["vllm:spec_decode_num_drafts_total"] / steps if steps > 0 else None
 
 
+def rotation(names: list[str], level: int, repeat: int) -> list[str]:
+    """The servers' order at one load and repeat: rotated per load, reversed every other repeat."""
+    order = names[level % len(names):] + names[: level % len(names)]
+    return order[::-1] if repeat % 2 else order
+
+
+def pooled(runs: list[dict]) -> dict[str, float]:
+    """METRICS of one server at one load over its runs, every successful request counted once.
+
+    TPOT per request as ``vllm bench serve`` computes it: (latency - TTFT) / (output tokens - 1).
+    """
+    import numpy as np
+
+    ok = [(ttft, latency, n) for r in runs
+          for ttft, latency, n, error in zip(r["ttfts"], r["latencies"], r["output_lens"],
+                                             r["errors"]) if not error]
+    ttft = np.array([t for t, _, _ in ok]) * 1e3
+    tpot = np.array([(lat - t) / (n - 1) for t, lat, n in ok if n > 1]) * 1e3
+    return {
+        "output_throughput": sum(r["total_output_tokens"] for r in runs)
+        / sum(r["duration"] for r in runs),
+        "mean_ttft_ms": float(ttft.mean()), "median_ttft_ms": float(np.median(ttft)),
+        "p99_ttft_ms": float(np.percentile(ttft, 99)),
+        "mean_tpot_ms": float(tpot.mean()), "median_tpot_ms": float(np.median(tpot)),
+        "p99_tpot_ms": float(np.percentile(tpot, 99)),
+    }
+
+
+def level_row(label: str, runs: dict[str, list[dict]], drafted: dict) -> dict:
+    """One load's figures: each server's pooled metrics, the arms' ratios to vLLM alone."""
+    metrics = {name: pooled(rs) for name, rs in runs.items()}
+    alone = metrics["alone"]
+    row = {"load": label, **{f"alone_{m}": v for m, v in alone.items()}}
+    for arm in ARMS:
+        row.update({f"{arm}_{m}": v for m, v in metrics[arm].items()})
+        row[f"{arm}_throughput_ratio"] = metrics[arm]["output_throughput"] / alone["output_throughput"]
+        row[f"{arm}_tpot_ratio"] = alone["median_tpot_ms"] / metrics[arm]["median_tpot_ms"]
+        row[f"{arm}_throughput_ratio_per_repeat"] = [
+            r["output_throughput"] / a["output_throughput"]
+            for r, a in zip(runs[arm], runs["alone"])]
+        row[f"{arm}_drafted_fraction"] = drafted[arm]
+    return row
+
+
 def loads(args) -> list[dict]:
     if args.rates:
         return [{"label": f"rate {r}", "rate": r, "num_prompts": args.num_prompts or 40}
@@ -164,7 +212,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=None)
     parser.add_argument("--concurrency", default="1,2,4,8,16")
     parser.add_argument("--rates", default=None, help="request rates instead of concurrencies")
-    parser.add_argument("--prompts-per-level", type=int, default=8, help="x the concurrency")
+    parser.add_argument("--prompts-per-level", type=int, default=6, help="x the concurrency")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per server and load")
+    parser.add_argument("--warmup-prompts", type=int, default=16,
+                        help="each server's uncounted first round (concurrency 2)")
     parser.add_argument("--num-prompts", type=int, default=None, help="the same at every load")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--beam-width", type=int, default=4)
@@ -195,28 +246,23 @@ def main() -> None:
         try:
             for name, server in servers.items():
                 wait_healthy(server, PORTS[name], work / f"{name}.log")
+            for name in servers:
+                bench(name, target, dataset, {"label": "warmup", "concurrency": 2,
+                                              "num_prompts": args.warmup_prompts}, args, work)
             for i, load in enumerate(levels):
-                names = list(PORTS)
-                order = names[i % 3:] + names[: i % 3]
-                result, drafted = {}, {}
-                for name in order:
-                    before = counters(name) if name in ARMS else None
-                    result[name] = bench(name, target, dataset, load, args, work)
-                    if before is not None:
-                        drafted[name] = drafted_fraction(counters(name), before)
-                raw[load["label"]] = {  # the scalars, not the per-request lists
-                    name: {k: v for k, v in res.items() if not isinstance(v, list)}
-                    for name, res in result.items()}
-                a = result["alone"]
-                row = {"load": load["label"], **{f"alone_{m}": a.get(m) for m in METRICS}}
-                for arm in ARMS:
-                    r = result[arm]
-                    row.update({f"{arm}_{m}": r.get(m) for m in METRICS})
-                    row[f"{arm}_throughput_ratio"] = r["output_throughput"] / a["output_throughput"]
-                    row[f"{arm}_tpot_ratio"] = a["median_tpot_ms"] / r["median_tpot_ms"]
-                    row[f"{arm}_drafted_fraction"] = drafted[arm]
-                rows.append(row)
-                print(f"{load['label']}: throughput alone {a['output_throughput']:.1f}, "
+                runs, drafted = {name: [] for name in PORTS}, {}
+                before = {name: counters(name) for name in ARMS}
+                for k in range(args.repeats):
+                    for name in rotation(list(PORTS), i, k):
+                        runs[name].append(bench(name, target, dataset, load, args, work))
+                for name in ARMS:
+                    drafted[name] = drafted_fraction(counters(name), before[name])
+                raw[load["label"]] = {  # the scalars of every run, not the per-request lists
+                    name: [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rs]
+                    for name, rs in runs.items()}
+                rows.append(level_row(load["label"], runs, drafted))
+                row = rows[-1]
+                print(f"{load['label']}: throughput alone {row['alone_output_throughput']:.1f}, "
                       f"policy {row['policy_output_throughput']:.1f}, "
                       f"fixed {row['fixed_output_throughput']:.1f} tok/s; drafted "
                       f"{drafted['policy'] or 0:.2f} / {drafted['fixed'] or 0:.2f}", flush=True)
@@ -232,7 +278,8 @@ def main() -> None:
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "specs": specs, "loads": levels,
-                                    "max_tokens": args.max_tokens, "rows": rows, "raw": raw},
+                                    "max_tokens": args.max_tokens, "repeats": args.repeats,
+                                    "warmup_prompts": args.warmup_prompts, "rows": rows, "raw": raw},
                                    indent=1, default=str))
     plot(rows, args.out.with_suffix(".png"))
     print(f"\nJSON and plot: {args.out.with_suffix('')}.*")

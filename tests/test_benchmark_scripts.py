@@ -1,7 +1,10 @@
-"""Every benchmark script imports and parses its flags (they are run by hand, never by the tests)."""
+"""Every benchmark script imports and parses its flags (they are run by hand, never by the tests),
+and the QPS sweep pools its runs as vLLM's own benchmark client computes one."""
 
 from __future__ import annotations
 
+import importlib.util
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -18,3 +21,51 @@ def test_benchmark_help(script: Path):
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "usage:" in run.stdout
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS[0].parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_qps_sweep_pools_runs_as_vllm_bench_serve_computes_one():
+    """Pooled over runs, the QPS sweep's figures are vLLM's own over all their requests."""
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
+    from vllm.benchmarks.serve import calculate_metrics
+
+    qps = _load_script("qps_sweep")
+    rng = random.Random(0)
+
+    def run(num: int, duration: float):
+        outputs = [RequestFuncOutput(success=ok, error="" if ok else "boom",
+                                     output_tokens=rng.randint(1, 64) if ok else 0,
+                                     ttft=rng.uniform(0.01, 0.5), latency=rng.uniform(0.6, 4.0),
+                                     prompt_len=10)
+                   for ok in (rng.random() > 0.1 for _ in range(num))]
+        metrics, lens = calculate_metrics([], outputs, duration, None, [50, 99], {})
+        result = {"duration": duration, "total_output_tokens": metrics.total_output,
+                  "output_lens": lens, "ttfts": [o.ttft for o in outputs],
+                  "latencies": [o.latency for o in outputs], "errors": [o.error for o in outputs]}
+        return outputs, metrics, result
+
+    (out_a, vllm_a, run_a), (out_b, _, run_b) = run(37, 12.0), run(21, 7.5)
+    vllm_ab, _ = calculate_metrics([], out_a + out_b, 19.5, None, [50, 99], {})
+    for runs, expected in (([run_a], vllm_a), ([run_a, run_b], vllm_ab)):
+        ours = qps.pooled(runs)
+        assert ours["output_throughput"] == pytest.approx(expected.output_throughput)
+        for name in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms"):
+            assert ours[name] == pytest.approx(getattr(expected, name)), name
+        assert ours["p99_ttft_ms"] == pytest.approx(dict(expected.percentiles_ttft_ms)[99])
+        assert ours["p99_tpot_ms"] == pytest.approx(dict(expected.percentiles_tpot_ms)[99])
+
+
+def test_qps_sweep_order_rotates_per_load_and_reverses_per_repeat():
+    qps = _load_script("qps_sweep")
+    names = ["alone", "policy", "fixed"]
+    assert qps.rotation(names, 0, 0) == ["alone", "policy", "fixed"]
+    assert qps.rotation(names, 0, 1) == ["fixed", "policy", "alone"]
+    assert qps.rotation(names, 1, 0) == ["policy", "fixed", "alone"]
+    firsts = {qps.rotation(names, level, 0)[0] for level in range(3)}
+    assert firsts == set(names)
