@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from conftest import save_random_drafter
+from vllm_redrafter.demo import metric_totals
 from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
 
 pytestmark = pytest.mark.slow
@@ -624,8 +625,10 @@ def test_server_answers_chat_and_streaming_and_reports_metrics(target_dir, draft
         assert text.strip()
         with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
             metrics = response.read().decode()
-        drafts = _metric(metrics, "vllm:spec_decode_num_drafts_total")
-        draft_tokens = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
+        totals = metric_totals(metrics, ("vllm:spec_decode_num_drafts_total",
+                                         "vllm:spec_decode_num_draft_tokens_total"))
+        drafts = totals["vllm:spec_decode_num_drafts_total"]
+        draft_tokens = totals["vllm:spec_decode_num_draft_tokens_total"]
         # W=2, L=3 reached the worker process: trees of at most 2 x 2 draft nodes per step
         assert 0 < drafts < draft_tokens <= 4 * drafts
         # 32 concurrent requests, greedy and sampled, different beam shapes: none lost or hung
@@ -673,13 +676,6 @@ def _wait_healthy(server, base: str, log, timeout: float = 300) -> None:
         except OSError:
             time.sleep(2)
     pytest.fail(f"the server did not become healthy within {timeout} s")
-
-
-def _metric(text: str, name: str) -> float:
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name)]
-    assert values, f"{name} missing from /metrics"
-    return sum(values)
 
 
 # -- exact sampling over the tree ----------------------------------------------------------------

@@ -35,7 +35,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from vllm_redrafter.kernels import paged_tree_attention, plan_tree_gather, use_triton
+from vllm_redrafter.kernels import paged_tree_attention, use_triton
 from vllm_redrafter.vllm_plugin.tree_step import TreeAttentionInputs
 
 logger = logging.getLogger(__name__)
@@ -93,13 +93,8 @@ class TreeAttentionMixin:
         key_cache, value_cache = self.tree_cache_views(layer, kv_cache)
         context_lens = attn_metadata.seq_lens[tree.requests].long() - tree.num_nodes
         block_table = attn_metadata.block_table[tree.requests]
-        plan = None
-        if not use_triton(query.device):  # the torch path: one gather plan for all layers
-            plan = tree.plans.get(key_cache.shape[1])
-            if plan is None:
-                plan = tree.plans[key_cache.shape[1]] = plan_tree_gather(
-                    block_table, tree.cu_seqlens_q, context_lens, tree.mask_words,
-                    key_cache.shape[1])
+        plan = (None if use_triton(query.device) else  # torch path: one plan for all layers
+                tree.gather_plan(block_table, context_lens, block_size=key_cache.shape[1]))
         out = paged_tree_attention(
             query[tree.rows], key_cache, value_cache, block_table, tree.cu_seqlens_q,
             context_lens, tree.mask_words, scale=self.scale, plan=plan,

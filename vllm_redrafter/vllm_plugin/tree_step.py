@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from vllm_redrafter.kernels.tree_attention import TreeGatherPlan, plan_tree_gather
+
 
 @dataclass(frozen=True)
 class RequestTree:
@@ -133,7 +135,16 @@ class TreeAttentionInputs:
     cu_seqlens_q: Tensor  # [R + 1] int32
     num_nodes: Tensor  # [R] long: T_r
     mask_words: Tensor  # [total_q, n_words] int64 ancestor bitmask (kernels/tree_attention.py)
-    plans: dict = field(default_factory=dict)  # block_size -> TreeGatherPlan, built by layer 1
+    plans: dict = field(default_factory=dict)  # block_size -> TreeGatherPlan (gather_plan)
+
+    def gather_plan(self, block_table: Tensor, context_lens: Tensor,
+                    block_size: int) -> TreeGatherPlan:
+        """The torch path's gather indices and mask, built by the step's first layer, then reused."""
+        plan = self.plans.get(block_size)
+        if plan is None:
+            plan = self.plans[block_size] = plan_tree_gather(
+                block_table, self.cu_seqlens_q, context_lens, self.mask_words, block_size)
+        return plan
 
 
 def ancestor_words(parent: Sequence[int]) -> Tensor:
