@@ -13,7 +13,8 @@ training is ~K-proportional per step, and the full 49K head is ~8x the 6K one: r
 arm on a GPU, or pass --ks 4096,8192,16384.
 
     python benchmarks/draft_vocab.py --out runs/draft_vocab [--recipe default] [--ks 4096,8192,16384,full]
-        [--max-steps 1500] [--beam-width 4 --beam-length 4] [--num-prompts 20] [--max-new-tokens 128]
+        [--data-dir DIR] [--max-steps 1500] [--beam-width 4 --beam-length 4] [--num-prompts 20]
+        [--max-new-tokens 128]
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def main() -> None:
     parser.add_argument("--recipe", default="default")
     parser.add_argument("--ks", type=parse_ks, default=parse_ks("4096,8192,16384,full"))
     parser.add_argument("--max-steps", type=int, default=None, help="same budget for every K")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="reuse a run's data built with the same recipe (e.g. "
+                             "~/.cache/vllm-redrafter/runs/default/work/data); default OUT/data")
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--beam-length", type=int, default=4)
     parser.add_argument("--num-prompts", type=int, default=20)
@@ -55,7 +59,7 @@ def main() -> None:
     if args.max_steps is not None:
         recipe = replace(recipe, train=replace(recipe.train, max_steps=args.max_steps))
     recipe = replace(recipe, save_dtype="float32")
-    data_dir = args.out / "data"  # built once, shared by every K
+    data_dir = args.data_dir or args.out / "data"  # built once, shared by every K
     prompts = mt_bench_prompts(args.num_prompts)
     target_model = load_target(target)
     rows = []

@@ -12,6 +12,7 @@ from vllm_redrafter.beam_policy import (
     DraftCost,
     StepCost,
     StepTimes,
+    acceptance_kind,
     bucket,
     candidate_widths,
     choose_shape,
@@ -144,21 +145,43 @@ def test_requests_that_cannot_draft_still_share_the_step():
     assert choose_shape(1, 2, 4, cost, stats, DraftCost(), others=2000).width == 0
 
 
+def test_greedy_and_sampled_requests_are_judged_by_their_own_acceptance():
+    """Greedy requests accept most drafts, sampled ones none: each kind's steps follow its own
+    counts (one pool would let greedy figures send sampled batches drafting), a mix in between."""
+    assert [acceptance_kind(t) for t in (0.0, 1e-6, None, 0.7, 1.0)] == [
+        "greedy", "greedy", "greedy", "sampled", "sampled"]
+    cost = StepCost((1, 64, 4096), (0.010, 0.016, 0.5))
+    policy = BeamPolicy(cost, max_width=1, max_length=4, plain_every=None)
+    for kind, stats in policy.stats.items():
+        stats.explore = 0.0
+        p = 0.9 if kind == "greedy" else 0.0
+        feed(stats, 1, 4, p, 3000, seed=len(kind))
+    greedy = policy.choose(["greedy"] * 4, max_nodes=8)
+    assert greedy.width == 1 and greedy.length == 4
+    assert policy.choose(["sampled"] * 4, max_nodes=8).width == 0
+    mix = policy.choose(["greedy", "sampled", "sampled", "sampled"], max_nodes=8)
+    assert mix.tokens_per_second < greedy.tokens_per_second
+    before = {kind: stats.trials[(1, 1)] for kind, stats in policy.stats.items()}
+    policy.observe_no_drafts(["sampled"] * 4)
+    assert policy.stats["greedy"].trials[(1, 1)] == before["greedy"]  # untouched
+    assert policy.stats["sampled"].trials[(1, 1)] < before["sampled"]
+
+
 def run_engine(policy: BeamPolicy, true_seconds, true_p: float, steps: int, seed: int = 0):
     """Simulated batch-1 engine steps under ``policy``: per step the chosen shape, its tokens and
     its true seconds (``true_seconds(width, length)``); acceptance P(next) = true_p per depth."""
     rng, now, log = random.Random(seed), 0.0, []
     for _ in range(steps):
         policy.step(["r"], prefilling=False, now=now)
-        choice = policy.choose(1, max_nodes=64)
+        choice = policy.choose(["greedy"], max_nodes=64)
         tokens = 1
         if choice.width:
             while tokens < choice.length and rng.random() < true_p:
                 tokens += 1
-            policy.stats.observe(choice.width, choice.length, 1 + choice.width * (choice.length - 1),
-                                 tokens - 1)
+            policy.observe("greedy", choice.width, choice.length,
+                           1 + choice.width * (choice.length - 1), tokens - 1)
         else:
-            policy.stats.observe_no_drafts(1)
+            policy.observe_no_drafts(["greedy"])
         seconds = true_seconds(choice.width, choice.length)
         now += seconds
         log.append((choice.width, tokens, seconds))
@@ -196,7 +219,7 @@ def test_only_decode_steps_of_an_unchanged_batch_are_timed():
 
     def step(ids: list[str], now: float, prefilling: bool = False, choose: bool = True):
         policy.step(ids, prefilling=prefilling, now=now)
-        return policy.choose(len(ids), max_nodes=8) if choose else None
+        return policy.choose(["greedy"] * len(ids), max_nodes=8) if choose else None
 
     step(["a"], 0.0)
     step(["a", "b"], 5.0)  # b joined: its prefill was in this step
@@ -204,7 +227,7 @@ def test_only_decode_steps_of_an_unchanged_batch_are_timed():
     step(["a"], 9.0, choose=False)  # b left: timed (3 s), the first step of (2, 1, 2): warm-up
     step(["a"], 10.0)  # no shape was chosen for the step that ends here
     step(["a"], 12.0, choose=False)  # timed (2 s), the first step of (1, 1, 2): warm-up
-    last = policy.choose(1, max_nodes=8)
+    last = policy.choose(["greedy"], max_nodes=8)
     step(["a"], 14.5, choose=False)  # timed: 2.5 s
     assert policy.times.warmed == {(2, 1, 2), (1, 1, 2)}
     assert policy.times.ratio == {(1, 1, 2): pytest.approx(2.5 / last.seconds)}

@@ -4,7 +4,8 @@ A verify step over a batch of B requests costs one target forward over all their
 tokens (``StepCost``, measured once per machine and model by ``benchmarks/step_cost.py``) plus the
 drafter's beam search (measured as it runs). It emits, per request, 1 + the accepted draft tokens,
 whose expectation for a beam shape (W, L) is ``1 + sum_{d=1}^{L-1} P(accepted >= d | W)``
-(``AcceptanceStats``, counted from the verified steps). So the policy picks
+(``AcceptanceStats``, counted from the verified steps, apart for greedy and sampled requests:
+sampling accepts less, and a server mixes both). So the policy picks
 
     argmax over (W, L) of  B * tokens(W, L) / (target(B * packed(W, L)) + draft(B, W, L))
 
@@ -30,6 +31,12 @@ import platform
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+from vllm_redrafter.sampling import SAMPLING_EPS
+
+KINDS = ("greedy", "sampled")
+"""Requests whose acceptance is counted apart: greedy ones accept more than sampled ones."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,32 @@ class AcceptanceStats:
         return self.hits.get((width, depth), 0.0) / n if n else 0.0
 
 
+def acceptance_kind(temperature: float | None) -> str:
+    """The :data:`KINDS` entry of a request: greedy below vLLM's sampling epsilon."""
+    return "greedy" if temperature is None or temperature < SAMPLING_EPS else "sampled"
+
+
+class AcceptanceEstimate(Protocol):
+    """What :func:`choose_shape` reads: expected tokens per step and packed tree size."""
+
+    def tokens_per_step(self, width: int, length: int, widths: Sequence[int]) -> float: ...
+
+    def packed(self, width: int, length: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class BatchAcceptance:
+    """A batch that mixes kinds: each kind's estimate weighted by its share of the requests."""
+
+    parts: tuple[tuple[AcceptanceStats, float], ...]  # (a kind's stats, its share), shares sum 1
+
+    def tokens_per_step(self, width: int, length: int, widths: Sequence[int]) -> float:
+        return sum(share * s.tokens_per_step(width, length, widths) for s, share in self.parts)
+
+    def packed(self, width: int, length: int) -> float:
+        return sum(share * s.packed(width, length) for s, share in self.parts)
+
+
 @dataclass
 class DraftCost:
     """Seconds of the drafter's beam search, proportional to B * W * (L - 1) (its head GEMMs)."""
@@ -222,7 +255,7 @@ def candidate_widths(max_width: int) -> list[int]:
 
 
 def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost,
-                 stats: AcceptanceStats, draft: DraftCost, max_nodes: int | None = None,
+                 stats: AcceptanceEstimate, draft: DraftCost, max_nodes: int | None = None,
                  others: int = 0, times: StepTimes | None = None) -> Choice:
     """The beam shape with the most expected tokens per second for this step (module docstring).
 
@@ -261,7 +294,8 @@ class BeamPolicy:
     def __init__(self, target: StepCost, max_width: int, max_length: int,
                  plain_every: int | None = 32) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
-        self.stats, self.draft, self.times = AcceptanceStats(), DraftCost(), StepTimes()
+        self.stats = {kind: AcceptanceStats() for kind in KINDS}
+        self.draft, self.times = DraftCost(), StepTimes()
         self.plain_every = plain_every  # a plain step at least this often (None: never forced)
         self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
         self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
@@ -280,9 +314,22 @@ class BeamPolicy:
                                    now - start)
         self._open = (now, ids, None)
 
-    def choose(self, batch: int, max_nodes: int, others: int = 0) -> Choice:
-        n = batch + others
-        choice = choose_shape(batch, self.max_width, self.max_length, self.target, self.stats,
+    def observe(self, kind: str, width: int, length: int, packed: int, accepted: int) -> None:
+        """One verified tree of a request of ``kind`` (:data:`KINDS`)."""
+        self.stats[kind].observe(width, length, packed, accepted)
+
+    def observe_no_drafts(self, kinds: Sequence[str]) -> None:
+        """A step in which these requests went without drafts."""
+        for kind in KINDS:
+            if count := sum(k == kind for k in kinds):
+                self.stats[kind].observe_no_drafts(count)
+
+    def choose(self, kinds: Sequence[str], max_nodes: int, others: int = 0) -> Choice:
+        """The shape for a step where requests of these ``kinds`` may draft, ``others`` not."""
+        batch, n = len(kinds), len(kinds) + others
+        mix = BatchAcceptance(tuple((self.stats[kind], kinds.count(kind) / max(batch, 1))
+                                    for kind in KINDS if kind in kinds))
+        choice = choose_shape(batch, self.max_width, self.max_length, self.target, mix,
                               self.draft, max_nodes, others, self.times)
         every = self.plain_every
         since = self._since_plain.get(bucket(n), (every or 2) - 2)  # a bucket's 2nd step: plain

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from vllm_redrafter.beam_policy import BeamPolicy, StepCost, step_cost_path
+from vllm_redrafter.beam_policy import BeamPolicy, StepCost, acceptance_kind, step_cost_path
 from vllm_redrafter.beam_search import BeamSearchOutput, beam_search
 from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.drafter import RecurrentDrafter
@@ -211,9 +211,10 @@ class ReDrafterProposer:
         """
         shapes = [self._request_settings(r) for r in requests]
         if self.policy is not None and any(not s.own_shape for s in shapes):
-            choice = self.policy.choose(len(requests), cap, others)  # others: no drafts
+            choice = self.policy.choose([_kind(r) for r in requests], cap, others)  # others: none
             if choice.width == 0:
-                self.policy.stats.observe_no_drafts(sum(not s.own_shape for s in shapes))
+                self.policy.observe_no_drafts([_kind(r) for r, s in zip(requests, shapes)
+                                               if not s.own_shape])
             shapes = [s if s.own_shape else
                       None if choice.width == 0 else
                       dataclasses.replace(s, beam_width=choice.width, beam_length=choice.length)
@@ -230,7 +231,7 @@ class ReDrafterProposer:
             shape = self.shapes.get(request.req_id)
             if shape is not None and tokens:
                 packed = len(self.trees[request.req_id].tokens)
-                self.policy.stats.observe(*shape, packed, len(tokens) - 1)
+                self.policy.observe(_kind(request), *shape, packed, len(tokens) - 1)
 
     def _trees(
         self, h: Tensor, last_tokens: list[int], shapes: list[RequestSettings],
@@ -340,6 +341,11 @@ def tree_eligible(request: Any) -> bool:
         or (p.min_tokens and len(request.output_token_ids) < p.min_tokens)
         or p.structured_outputs is not None or p.logprobs is not None
     )
+
+
+def _kind(request: Any) -> str:
+    """Greedy or sampled: the beam policy counts their acceptance apart."""
+    return acceptance_kind(getattr(getattr(request, "sampling_params", None), "temperature", None))
 
 
 def _tokens_left(request: Any) -> int:
