@@ -92,7 +92,8 @@ def bench(name: str, target: str, dataset: Path, load: dict, args, work: Path) -
         "--num-prompts", str(load["num_prompts"]), "--sharegpt-output-len", str(args.max_tokens),
         "--ignore-eos", *level, "--temperature", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--save-result", "--result-dir", str(work), "--result-filename", result.name,
+        "--save-result", "--save-detailed", "--result-dir", str(work),
+        "--result-filename", result.name,
         "--seed", "0", "--disable-tqdm",
     ), capture_output=True, text=True, timeout=3600)
     if run.returncode != 0:
