@@ -45,8 +45,6 @@ from vllm_redrafter.demo import (
 PORTS = {"alone": 8100, "policy": 8101, "fixed": 8102}
 ARMS = ("policy", "fixed")  # the ReDrafter servers
 NUM_QUESTIONS = 80  # MT-Bench's
-METRICS = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-           "median_tpot_ms", "p99_tpot_ms")
 
 
 def cli(*args: str) -> list[str]:
@@ -125,7 +123,7 @@ def rotation(names: list[str], level: int, repeat: int) -> list[str]:
 
 
 def pooled(runs: list[dict]) -> dict[str, float]:
-    """METRICS of one server at one load over its runs, every successful request counted once.
+    """Throughput, TTFT and TPOT of one server at one load over its runs, each request once.
 
     TPOT per request as ``vllm bench serve`` computes it: (latency - TTFT) / (output tokens - 1).
     """
