@@ -12,11 +12,13 @@ hits all alike. Per load and server, pooled over the repeats: output throughput 
 seconds), TTFT and TPOT (mean, median, p99 over every request), and for ReDrafter the fraction of
 request-steps that drafted (from the server's /metrics). Printed as a table, written as JSON with
 every run's scalars, and drawn as ratios to vLLM alone vs load. Measure the step cost first
-(``benchmarks/step_cost.py``): without it the policy is off.
+(``benchmarks/step_cost.py``): without it the policy is off. ``--step-cost FILE`` gives the policy
+another curve (one that makes every extra token ruinous measures what a server that never drafts
+costs).
 
     python benchmarks/qps_sweep.py [--drafter DIR] [--concurrency 1,2,4,8,16] [--rates R,...]
         [--prompts-per-level 6] [--repeats 2] [--warmup-prompts 16] [--max-tokens 64]
-        [--beam-width 4 --beam-length 4]
+        [--beam-width 4 --beam-length 4] [--step-cost CURVE.json]
         [--out benchmarks/results/qps_sweep.json]
 """
 
@@ -219,6 +221,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--beam-length", type=int, default=4)
+    parser.add_argument("--step-cost", type=Path, default=None,
+                        help="the policy arm's step-cost curve (default: this machine's cached one)")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "qps_sweep.json")
     args = parser.parse_args()
@@ -231,6 +235,8 @@ def main() -> None:
     specs = {arm: {"method": "redrafter", "model": str(args.drafter.resolve()),
                    "beam_width": args.beam_width, "beam_length": args.beam_length,
                    "beam_policy": "auto" if arm == "policy" else "fixed"} for arm in ARMS}
+    if args.step_cost is not None:
+        specs["policy"]["step_cost"] = str(args.step_cost.resolve())
     levels = loads(args)
     questions = first_turns(args.prompts or find_mt_bench(), NUM_QUESTIONS)
     rows, raw = [], {}
@@ -265,9 +271,18 @@ def main() -> None:
                       f"policy {row['policy_output_throughput']:.1f}, "
                       f"fixed {row['fixed_output_throughput']:.1f} tok/s; drafted "
                       f"{drafted['policy'] or 0:.2f} / {drafted['fixed'] or 0:.2f}", flush=True)
+        except Exception:
+            for name, server in servers.items():  # a server that died: its log says why
+                if server.poll() is not None:
+                    print(f"--- server {name} exited ({server.returncode}); its log ends:\n"
+                          f"{(work / f'{name}.log').read_text()[-5000:]}", file=sys.stderr)
+            raise
         finally:
             for server in servers.values():
-                os.killpg(server.pid, signal.SIGINT)
+                try:
+                    os.killpg(server.pid, signal.SIGINT)
+                except ProcessLookupError:  # already gone
+                    pass
             for server in servers.values():
                 try:
                     server.wait(timeout=60)
