@@ -66,11 +66,16 @@ def start_server(name: str, target: str, spec: dict | None, log: Path) -> subpro
                             start_new_session=True)
 
 
+def exit_report(name: str, server: subprocess.Popen, log: Path) -> str:
+    """What a server that exited leaves to read: its exit code and the end of its log."""
+    return f"server {name} exited ({server.returncode}); its log ends:\n{log.read_text()[-5000:]}"
+
+
 def wait_healthy(server: subprocess.Popen, port: int, log: Path, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"server on {port} exited:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(exit_report(f"on {port}", server, log))
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
@@ -274,8 +279,7 @@ def main() -> None:
         except Exception:
             for name, server in servers.items():  # a server that died: its log says why
                 if server.poll() is not None:
-                    print(f"--- server {name} exited ({server.returncode}); its log ends:\n"
-                          f"{(work / f'{name}.log').read_text()[-5000:]}", file=sys.stderr)
+                    print(exit_report(name, server, work / f"{name}.log"), file=sys.stderr)
             raise
         finally:
             for server in servers.values():
