@@ -25,8 +25,17 @@ MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_q
 
 
 def mt_bench_prompts(limit: int | None = None, path: Path = MT_BENCH) -> list[str]:
+    return [turn for _, turn in mt_bench_questions(limit, path)]
+
+
+def mt_bench_questions(limit: int | None = None, path: Path = MT_BENCH) -> list[tuple[str, str]]:
+    """(category, first turn) of the first ``limit`` questions, in the file's order.
+
+    The file is ordered by category, ten questions each: writing, roleplay, reasoning, math,
+    coding, extraction, stem, humanities. The first 20 are writing and role play only.
+    """
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [row["turns"][0] for row in rows][:limit]
+    return [(row["category"], row["turns"][0]) for row in rows][:limit]
 
 
 class TimedProposer(DrafterProposer):
@@ -57,22 +66,29 @@ def load_target(target_dir: str | Path, device: str = "cpu"):
 @torch.no_grad()
 def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list[str],
                   beam_width: int, beam_length: int, max_new_tokens: int,
-                  model_and_tokenizer=None) -> dict:
-    """tokens/step etc. of the drafter in ``drafter_dir`` over ``prompts`` (see module doc)."""
+                  model_and_tokenizer=None, categories: list[str] | None = None) -> dict:
+    """tokens/step etc. of the drafter in ``drafter_dir`` over ``prompts`` (see module doc).
+
+    With ``categories`` (one per prompt) the result also has tokens/step per category.
+    """
     model, tokenizer = model_and_tokenizer or load_target(target_dir)
     drafter = RecurrentDrafter.from_pretrained(drafter_dir, model.get_input_embeddings(),
                                                device=model.device, dtype=torch.float32).eval()
     proposer = TimedProposer(drafter, beam_width, beam_length)
     steps, accepted, hist = 0, 0, [0] * beam_length
     response_tokens: list[int] = []
-    for question in prompts:
+    by_category: dict[str, list[int]] = {}  # category -> [steps, accepted]
+    for i, question in enumerate(prompts):
         result = speculative_generate(model, chat_prompt_ids(tokenizer, question), proposer,
                                       max_new_tokens, tokenizer.eos_token_id)
         response_tokens += result.tokens
+        tally = by_category.setdefault(categories[i] if categories else "all", [0, 0])
         for step in result.steps:
             steps += 1
             accepted += step.num_accepted
             hist[step.num_accepted] += 1
+            tally[0] += 1
+            tally[1] += step.num_accepted
     draft_ids = (drafter.draft_vocab_ids if drafter.config.draft_vocab_size
                  else torch.arange(drafter.config.vocab_size)).cpu()
     tokens = torch.tensor(response_tokens)
@@ -84,4 +100,6 @@ def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list
         "draft_ms_per_step": 1000 * sum(proposer.seconds) / max(len(proposer.seconds), 1),
         "response_tokens_in_draft_vocab": float(torch.isin(tokens, draft_ids).double().mean()),
         "draft_vocab_size": int(draft_ids.numel()),
+        **({"tokens_per_step_by_category": {c: (a + n) / max(n, 1) for c, (n, a) in by_category.items()}}
+           if categories else {}),
     }

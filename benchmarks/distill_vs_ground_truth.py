@@ -14,7 +14,8 @@ shows each one's coverage of the target's MT-Bench answers). The held-out top-1 
 against its own kind of label, so only tokens/step compares the two.
 
     python benchmarks/distill_vs_ground_truth.py --out runs/labels [--dataset FILE]
-        [--recipe default] [--max-steps 1000] [--position-stride 2] [--num-prompts 20]
+        [--recipe default] [--max-steps 1000] [--position-stride 2] [--paragraphs N]
+        [--num-prompts 20]
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--recipe", default="default")
     parser.add_argument("--max-steps", type=int, default=None, help="same budget for both arms")
     parser.add_argument("--position-stride", type=int, default=2)
+    parser.add_argument("--paragraphs", type=int, default=None,
+                        help="built-in dataset: how many local paragraphs (default: the recipe's)")
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--beam-length", type=int, default=4)
     parser.add_argument("--num-prompts", type=int, default=20)
@@ -53,12 +56,15 @@ def main() -> None:
     train = recipe.train if args.max_steps is None else replace(recipe.train, max_steps=args.max_steps)
     prompts = mt_bench_prompts(args.num_prompts)
     target_model = load_target(target)
+    builtin = recipe.data.builtin
+    if args.paragraphs is not None:
+        builtin = replace(builtin, text=args.paragraphs)
     rows = []
     for labels in ("distill", "ground-truth"):
         out = args.out / labels
         arm = replace(recipe, name=f"{recipe.name}-{labels}", train=train, save_dtype="float32",
                       data=replace(recipe.data, dataset=args.dataset, labels=labels,
-                                   position_stride=args.position_stride))
+                                   position_stride=args.position_stride, builtin=builtin))
         if (out / "training.json").is_file():
             record = json.loads((out / "training.json").read_text())
         else:

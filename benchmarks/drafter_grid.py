@@ -4,11 +4,13 @@ The target alone decides every token (greedy, transformers, float32), so the fig
 drafter's, free of any engine: tokens per target forward (accepted + the bonus), per-position
 acceptance, the drafting time per step, and the share of the target's MT-Bench response tokens
 inside the drafter's K-token head. The prompts are MT-Bench first turns (evaluation only: never
-training data, never used to choose K or any setting). The drafter's ``training.json`` (written by
-``vllm-redrafter train``), when present beside it, adds the data size and training time.
+training data, never used to choose K or any setting), all 80 by default, with tokens/step per
+category beside the total (the file's first 20 are writing and role play only). The drafter's
+``training.json`` (written by ``vllm-redrafter train``), when present beside it, adds the data
+size and training time.
 
     python benchmarks/drafter_grid.py [--drafter DIR] [--widths 1,2,4,8,16] [--lengths 3,4,5]
-        [--num-prompts 20] [--max-new-tokens 64] [--out benchmarks/results/default_drafter.json]
+        [--num-prompts 80] [--max-new-tokens 64] [--out benchmarks/results/default_drafter.json]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _reference import load_target, mt_bench_prompts, run_reference  # noqa: E402
+from _reference import load_target, mt_bench_questions, run_reference  # noqa: E402
 
 from vllm_redrafter.demo import DEFAULT_DRAFTER, int_list, machine  # noqa: E402
 from vllm_redrafter.target import prepare_target  # noqa: E402
@@ -49,7 +51,7 @@ def main() -> None:
     parser.add_argument("--target", type=Path, default=None)
     parser.add_argument("--widths", type=int_list, default=int_list("1,2,4,8,16"))
     parser.add_argument("--lengths", type=int_list, default=int_list("3,4,5"))
-    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--num-prompts", type=int, default=80)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "default_drafter.json")
@@ -59,13 +61,14 @@ def main() -> None:
 
     target = args.target or prepare_target()
     model = load_target(target)
-    prompts = mt_bench_prompts(args.num_prompts)
+    categories, prompts = map(list, zip(*mt_bench_questions(args.num_prompts)))
     cells = []
     for length in args.lengths:
         for width in args.widths:
             start = time.time()
             cell = run_reference(target, args.drafter, prompts, width, length,
-                                 args.max_new_tokens, model_and_tokenizer=model)
+                                 args.max_new_tokens, model_and_tokenizer=model,
+                                 categories=categories)
             cells.append(cell)
             print(f"W={width:<3} L={length}  tokens/step {cell['tokens_per_step']:.3f}  "
                   f"draft {cell['draft_ms_per_step']:.1f} ms/step  ({time.time() - start:.0f} s)",
@@ -84,6 +87,12 @@ def main() -> None:
     for length in args.lengths:
         row = [c for c in cells if c["beam_length"] == length]
         print(f"{length:<6}" + "".join(f"{c['tokens_per_step']:>8.2f}" for c in row))
+    for length in args.lengths:
+        print(f"\n{f'L={length}, by category':<20}" + "".join(f"{'W=' + str(w):>8}" for w in args.widths))
+        row = [c for c in cells if c["beam_length"] == length]
+        for category in dict.fromkeys(categories):
+            print(f"{category:<20}" + "".join(
+                f"{c['tokens_per_step_by_category'][category]:>8.2f}" for c in row))
     print(f"MT-Bench response tokens inside the K={result['draft_vocab_size']} head: "
           f"{result['response_tokens_in_draft_vocab']:.3f}")
     print(f"written to {args.out}")

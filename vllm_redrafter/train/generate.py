@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch
 from tqdm.auto import tqdm
 
 
@@ -74,6 +75,11 @@ def vllm_generate(target_dir: str | Path, requests: Sequence[GenRequest], work_d
     job_file.write_text(json.dumps(job, indent=1))
     if not _all_shards_done(work_dir, len(requests), settings.shard_size):
         env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib)}
+        if not torch.cuda.is_available():
+            # On a CPU the engine runs in the subprocess itself: vLLM's engine-core process waits
+            # for its worker by spinning (sched_yield), which on a 2-core CPU takes a core from
+            # the model.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         proc = subprocess.run([sys.executable, "-m", "vllm_redrafter.train.generate", str(job_file)],
                               env=env)
         if proc.returncode != 0:

@@ -91,7 +91,12 @@ class TreeVerifier(nn.Module):
     # -- the parts ---------------------------------------------------------------------------
 
     def _plain_tokens(self, metadata, logits: Tensor, sampling_metadata, step: TreeStep) -> list[int]:
-        """vLLM's own sample at each request's last row: the output of requests without drafts."""
+        """vLLM's own sample at each request's last row: the output of requests without drafts.
+
+        Every row is sampled, not only the draft-less ones: ``sampling_metadata`` (penalties,
+        generators, allowed-token masks) is laid out per batch row, and one sampler call over
+        B rows costs less than slicing all of it consistently.
+        """
         if all(tree is not None for tree in step.trees):
             return [-1] * len(step.trees)
         result = self.sampler(
