@@ -296,6 +296,25 @@ def test_missing_dataset_file(tmp_path):
         read_dataset(tmp_path / "nope.jsonl")
 
 
+# -- the built-in prompts ----------------------------------------------------------------------------
+
+
+def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt_bench_questions):
+    from vllm_redrafter.train import prompts as builtin
+
+    sources = {"templated": builtin.templated_prompts, "text": builtin.text_prompts,
+               "documents": builtin.document_prompts, "constrained": builtin.constrained_prompts}
+    made = {name: make(40, 0) for name, make in sources.items()}
+    assert made == {name: make(40, 0) for name, make in sources.items()}  # the seed decides
+    assert made["documents"] != builtin.document_prompts(40, 1)
+    for name, prompts in made.items():
+        assert len(prompts) == 40 and len(set(prompts)) >= 36, name
+    windows = {" ".join(q.split()[i:i + 6]) for q in mt_bench_questions
+               for i in range(max(1, len(q.split()) - 5))}
+    leaked = [w for prompts in made.values() for p in prompts for w in windows if w in p]
+    assert not leaked, f"built-in prompts repeat MT-Bench questions: {leaked[:3]}"
+
+
 # -- the draft vocabulary ------------------------------------------------------------------------------
 
 
@@ -338,6 +357,12 @@ def test_cli_parser_overrides_the_recipe():
     recipe = recipe_from_args(args)
     assert recipe.drafter.draft_vocab_size is None and recipe.train.lr == 0.01
     assert recipe.data.labels == "distill" and recipe.train.max_steps == get_recipe("quick").train.max_steps
+    assert recipe.data.builtin == get_recipe("quick").data.builtin
+    args = parser.parse_args(["train", "--output-dir", "x", "--builtin", "templated=150,documents=90"])
+    builtin = recipe_from_args(args).data.builtin
+    assert (builtin.templated, builtin.documents, builtin.text) == (150, 90, get_recipe("default").data.builtin.text)
+    with pytest.raises(SystemExit):  # argparse: one error line naming the bad source
+        parser.parse_args(["train", "--output-dir", "x", "--builtin", "poems=3"])
 
 
 # -- with vLLM (one engine start) ----------------------------------------------------------------------

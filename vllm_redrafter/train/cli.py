@@ -26,6 +26,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None,
                    help="dataset file (.jsonl/.json chat, ShareGPT, prompt, text or input_ids; or "
                         "plain text), or 'builtin' (local prompts, see train/prompts.py)")
+    p.add_argument("--builtin", type=_builtin_counts, default=None,
+                   help="the built-in dataset's prompts per source, e.g. templated=150,documents=90 "
+                        "(sources: templated, text, self_instruct, documents, constrained; and seed)")
     p.add_argument("--output-dir", type=Path, required=True, help="where the drafter is written")
     p.add_argument("--overwrite", action="store_true", help="replace a drafter/run in --output-dir")
     p.add_argument("--labels", choices=("self", "distill", "ground-truth"), default=None,
@@ -79,7 +82,26 @@ def recipe_from_args(args: argparse.Namespace):
     )
     if vocab == "full":
         recipe = replace(recipe, drafter=replace(recipe.drafter, draft_vocab_size=None))
+    if args.builtin:
+        recipe = replace(recipe, data=replace(recipe.data, builtin=replace(recipe.data.builtin, **args.builtin)))
     return recipe
+
+
+def _builtin_counts(text: str) -> dict[str, int]:
+    """``templated=150,documents=90`` -> counts of the built-in dataset's sources (BuiltinSpec)."""
+    from dataclasses import fields
+
+    from vllm_redrafter.train.distill import BuiltinSpec
+
+    known = {f.name for f in fields(BuiltinSpec)}
+    counts = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() not in known or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected SOURCE=COUNT with SOURCE one of {sorted(known)}")
+        counts[key.strip()] = int(value)
+    return counts
 
 
 def _positive_int(text: str) -> int:

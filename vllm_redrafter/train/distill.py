@@ -55,6 +55,8 @@ class BuiltinSpec:
     text: int = 16
     self_instruct: int = 0
     seed: int = 0
+    documents: int = 0  # extraction / table / JSON requests over small documents
+    constrained: int = 0  # several instructions at once, multi-part questions
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,8 @@ def _builtin_prompt_ids(spec: DataSpec, tokenizer, gen) -> list[list[int]]:
     b = spec.builtin
     questions = builtin_prompts.templated_prompts(b.templated, b.seed)
     questions += builtin_prompts.text_prompts(b.text, b.seed)
+    questions += builtin_prompts.document_prompts(b.documents, b.seed)
+    questions += builtin_prompts.constrained_prompts(b.constrained, b.seed)
     if b.self_instruct:
         # No per-request seeds: vLLM 0.32 on CPU crashes when a seeded request's prefill is chunked
         # (Generator.get_offset is CUDA-only); the engine's fixed seed makes the run reproducible.

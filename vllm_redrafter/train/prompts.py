@@ -12,6 +12,11 @@ reads the MT-Bench questions (``../shared/data``: the evaluation set). Three sou
 3. Self-instruct: the target itself writes user questions about a topic (:func:`self_instruct_requests`),
    sampled with a per-request seed so the questions are reproducible; they are then answered like
    the others.
+4. Documents: small synthetic records (people, products, reviews, reports, schedules) and local
+   paragraphs, each with a request to extract, tabulate, classify or answer from it, often in a
+   set format such as JSON (:func:`document_prompts`): the answers copy from their context.
+5. Constrained requests: several instructions at once (form, audience, tone, length, a closing
+   line) and multi-part questions (:func:`constrained_prompts`).
 
 The responses to all of them are generated greedily by the target (``labels=self``), so every
 response position carries the target's own continuation, i.e. a distillation label.
@@ -225,6 +230,133 @@ def self_instruct_requests(n: int, seed: int) -> list[str]:
     """Meta-prompts asking the target to write a user question (answers become prompts)."""
     rng = random.Random(seed + 2)
     return [rng.choice(SELF_INSTRUCT).format(topic=rng.choice(TOPICS)) for _ in range(n)]
+
+
+SURNAMES = ["Smith", "Garcia", "Chen", "Okafor", "Novak", "Kumar", "Rossi", "Tanaka", "Dubois",
+            "Silva", "Larsen", "Haddad"]
+CITIES = ["Lisbon", "Toronto", "Nairobi", "Osaka", "Denver", "Krakow", "Lima", "Dublin", "Seoul",
+          "Melbourne", "Cairo", "Oslo"]
+PRODUCTS = ["wireless headphones", "a coffee grinder", "a standing desk", "a hiking backpack",
+            "an electric kettle", "a smartwatch", "a robot vacuum", "a camping tent", "a blender",
+            "a pair of running shoes", "a laptop stand", "a reading lamp"]
+OPINIONS = {
+    "positive": ["works perfectly and I use it every day", "exceeded my expectations",
+                 "is well made and worth the price", "arrived early and looks great"],
+    "negative": ["broke after two weeks", "is much louder than advertised",
+                 "stopped charging after a month", "feels cheap and flimsy"],
+    "neutral": ["does the job, nothing special", "is fine but the manual is confusing",
+                "is okay for the price", "is as described, no surprises"],
+}
+DOCUMENT_TASKS = {
+    "people": [
+        "From the text below, extract each person's name, age and city as a JSON list of objects.",
+        "Who is the oldest person in the text below, and where do they live? Answer from the text only.",
+        "Turn the text below into a table with the columns Name, Age, City and Job.",
+    ],
+    "reviews": [
+        "Classify each review below as positive, negative or neutral. Answer with one line per review.",
+        "Summarize the reviews below in three bullet points: what customers like and dislike.",
+        "Return the reviews below as JSON: a list of objects with the keys product, rating and sentiment.",
+    ],
+    "report": [
+        "From the report below, extract the company name, the revenue, the growth and the CEO as JSON.",
+        "Based only on the report below, did the company do better than last year? Explain briefly.",
+        "Write a two-sentence news headline and lead for the report below.",
+    ],
+    "schedule": [
+        "List the events below in chronological order with their times.",
+        "Extract every date, time and place from the text below as a table.",
+        "Which events below happen in the afternoon? Answer with a bulleted list.",
+    ],
+    "paragraph": [
+        "Identify the three most important terms in the text below and explain each in one sentence.",
+        "Extract every named function, class or object mentioned in the text below as a JSON list.",
+        "Answer in one sentence, using only the text below: what is it describing?",
+        "Write three quiz questions with answers based on the text below.",
+    ],
+}
+FORMS = ["an email", "a tweet", "a haiku", "a limerick", "a short dialogue", "a travel itinerary",
+         "a lesson plan", "a product pitch", "a motivational speech", "a news article", "a recipe",
+         "a letter of recommendation", "a to-do list", "a FAQ section", "a social media post"]
+AUDIENCES = ["a five-year-old", "a busy manager", "a group of university students", "a grandparent",
+             "a beginner", "an expert", "a job interviewer", "a teenager"]
+TONES = ["humorous", "formal", "friendly", "enthusiastic", "serious", "poetic", "sarcastic", "calm"]
+CONSTRAINTS = ["in exactly three sentences", "in under 100 words", "using bullet points",
+               "with a title", "in five numbered steps", "ending with a question to the reader",
+               "including at least one statistic", "mentioning {person} by name",
+               "in the first person", "without using any technical terms"]
+MULTI_PART = [
+    "First explain what {topic} is, then give two real-world examples, and finally list one common misconception.",
+    "Compare {topic} and {topic2} in a table, then say which one you would recommend to {audience} and why.",
+    "Give me a three-day plan for learning about {topic}, with one activity per day and a short quiz at the end.",
+    "What are the causes, effects and possible solutions of problems related to {topic}? Use three headings.",
+    "{person} wants to get into {topic} but has only {a} minutes a day. Suggest a routine and explain your choices.",
+    "Describe {topic} from the point of view of a {role}, then rewrite the description for {audience}.",
+]
+
+
+def document_prompts(n: int, seed: int) -> list[str]:
+    """Extract / tabulate / classify / answer requests over small documents (see the module doc)."""
+    rng = random.Random(seed + 3)
+    paragraphs = local_paragraphs(n, seed + 3)
+    prompts = []
+    for i in range(n):
+        kind = ("people", "reviews", "report", "schedule", "paragraph")[i % 5]
+        text = (paragraphs[i % len(paragraphs)] if kind == "paragraph" and paragraphs
+                else _document(kind if kind != "paragraph" else "people", rng))
+        prompts.append(f"{rng.choice(DOCUMENT_TASKS[kind])}\n\n{text}")
+    return prompts
+
+
+def _document(kind: str, rng: random.Random) -> str:
+    """A small synthetic record of ``kind``: names, numbers and places drawn from ``rng``."""
+    if kind == "people":
+        rows = []
+        for first in rng.sample(PEOPLE, rng.randint(3, 5)):
+            rows.append(f"{first} {rng.choice(SURNAMES)} is {rng.randint(19, 78)} years old, lives in "
+                        f"{rng.choice(CITIES)} and works as {_a(rng.choice(ROLES))}.")
+        return " ".join(rows)
+    if kind == "reviews":
+        lines = []
+        for k in range(rng.randint(3, 5)):
+            sentiment = rng.choice(sorted(OPINIONS))
+            stars = {"positive": rng.randint(4, 5), "negative": rng.randint(1, 2), "neutral": 3}[sentiment]
+            lines.append(f"Review {k + 1} ({stars} stars): The {rng.choice(PRODUCTS).split(' ', 1)[-1]} "
+                         f"{rng.choice(OPINIONS[sentiment])}.")
+        return "\n".join(lines)
+    if kind == "report":
+        year, revenue, growth = rng.randint(2015, 2024), rng.randint(12, 900), rng.randint(-15, 40)
+        return (f"{rng.choice(SURNAMES)} {rng.choice(['Labs', 'Foods', 'Energy', 'Motors', 'Media'])} "
+                f"reported revenue of ${revenue} million in {year}, a change of {growth}% from "
+                f"{year - 1}. Its CEO, {rng.choice(PEOPLE)} {rng.choice(SURNAMES)}, said the results "
+                f"were driven by {rng.choice(TOPICS)}. The company employs {rng.randint(40, 9000)} "
+                f"people and is based in {rng.choice(CITIES)}.")
+    events = []
+    for topic in rng.sample(TOPICS, rng.randint(3, 5)):
+        events.append(f"A talk on {topic} at {rng.randint(8, 19)}:{rng.choice(['00', '15', '30', '45'])} "
+                      f"on {rng.choice(['Monday', 'Tuesday', 'Wednesday', 'Thursday', 'Friday'])} "
+                      f"in {rng.choice(CITIES)}, led by {rng.choice(PEOPLE)}.")
+    return " ".join(events)
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
+def constrained_prompts(n: int, seed: int) -> list[str]:
+    """Requests with several instructions at once, and multi-part questions."""
+    rng = random.Random(seed + 4)
+    prompts = []
+    for i in range(n):
+        slots = {**_slots(rng), "audience": rng.choice(AUDIENCES)}
+        if i % 3 == 2:
+            prompts.append(rng.choice(MULTI_PART).format(**slots))
+            continue
+        first, second = rng.sample(CONSTRAINTS, 2)
+        prompts.append(f"Write {rng.choice(FORMS)} about {slots['topic']} for {slots['audience']}, "
+                       f"in a {rng.choice(TONES)} tone, {first.format(**slots)} and "
+                       f"{second.format(**slots)}.")
+    return prompts
 
 
 def clean_self_instruct(text: str) -> str | None:
