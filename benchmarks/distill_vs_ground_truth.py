@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _reference import load_target, mt_bench_prompts, run_reference  # noqa: E402
 
+from vllm_redrafter.demo import machine  # noqa: E402
 from vllm_redrafter.target import prepare_target  # noqa: E402
 from vllm_redrafter.train.pipeline import run_training  # noqa: E402
 from vllm_redrafter.train.recipes import get_recipe  # noqa: E402
@@ -72,10 +73,15 @@ def main() -> None:
         stats = run_reference(target, out, prompts, args.beam_width, args.beam_length,
                               args.max_new_tokens, model_and_tokenizer=target_model)
         row = {"labels": labels, "positions": record["data"]["num_positions"],
+               "sequences": record["data"].get("num_sequences"),
+               "data_seconds": record.get("data_seconds_this_session"),
+               "train_seconds": record.get("train_seconds_this_session"),
                "heldout_top1": record["eval"]["top1"], **stats}
         rows.append(row)
         print(json.dumps(row))
-        (args.out / "distill_vs_ground_truth.json").write_text(json.dumps(rows, indent=1))
+        result = {"command": " ".join(sys.argv), "machine": machine(), "recipe": recipe.name,
+                  "max_steps": train.max_steps, "max_new_tokens": args.max_new_tokens, "rows": rows}
+        (args.out / "distill_vs_ground_truth.json").write_text(json.dumps(result, indent=1))
     print(f"\n{'labels':>13} {'positions':>9} {'top1@1':>7} {'tok/step':>9} {'in K':>6}")
     for r in rows:
         print(f"{r['labels']:>13} {r['positions']:9d} {r['heldout_top1'][0]:7.3f} "
