@@ -360,7 +360,8 @@ def test_cli_parser_overrides_the_recipe():
     assert recipe.data.builtin == get_recipe("quick").data.builtin
     args = parser.parse_args(["train", "--output-dir", "x", "--builtin", "templated=150,documents=90"])
     builtin = recipe_from_args(args).data.builtin
-    assert (builtin.templated, builtin.documents, builtin.text) == (150, 90, get_recipe("default").data.builtin.text)
+    default_text = get_recipe("default").data.builtin.text
+    assert (builtin.templated, builtin.documents, builtin.text) == (150, 90, default_text)
     with pytest.raises(SystemExit):  # argparse: one error line naming the bad source
         parser.parse_args(["train", "--output-dir", "x", "--builtin", "poems=3"])
 

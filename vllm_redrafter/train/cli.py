@@ -83,7 +83,8 @@ def recipe_from_args(args: argparse.Namespace):
     if vocab == "full":
         recipe = replace(recipe, drafter=replace(recipe.drafter, draft_vocab_size=None))
     if args.builtin:
-        recipe = replace(recipe, data=replace(recipe.data, builtin=replace(recipe.data.builtin, **args.builtin)))
+        builtin = replace(recipe.data.builtin, **args.builtin)
+        recipe = replace(recipe, data=replace(recipe.data, builtin=builtin))
     return recipe
 
 
