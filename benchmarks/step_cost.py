@@ -3,14 +3,14 @@ beam policy reads).
 
 For batch sizes B and tokens per request T, B prompts of P cached tokens (prefix cache primed)
 get T new tokens each and ``max_tokens=1``: one engine step whose forward covers B * T query
-tokens over a cached context, as a verify step does. The median of ``--repeats`` runs (fresh
-suffixes each time) per cell is printed as a table of ratios to the (B, T=1) step, and written as
-JSON with a PNG plot. The curve (seconds by total query tokens) is cached where the ReDrafter
+tokens over a cached context, as a verify step does. The fastest of ``--repeats`` runs (fresh
+suffixes each time, after one untimed run) per cell is printed as a table of ratios to the (B,
+T=1) step, and written as JSON with a PNG plot. The curve (seconds by total query tokens) is cached where the ReDrafter
 proposer looks for it (``vllm_redrafter.beam_policy.step_cost_path``: per model, dtype and
 machine), or passed to the engine as ``speculative_config["step_cost"]``.
 
     python benchmarks/step_cost.py [--model DIR] [--dtype float32] [--batch-sizes 1,2,4,8,16,32]
-        [--tokens 1,2,4,8,16,32,64] [--context 128] [--repeats 3] [--kv-cache-gib 2]
+        [--tokens 1,2,4,8,16,32,64] [--context 128] [--repeats 5] [--kv-cache-gib 2]
         [--out benchmarks/results]
 """
 
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import time
 from pathlib import Path
 
@@ -32,7 +31,12 @@ from vllm_redrafter.demo import int_list  # noqa: E402
 
 def measure(llm, batch: int, tokens: int, context: int, repeats: int, vocab: int,
             rng: random.Random) -> float:
-    """Median seconds of one step over ``batch`` requests x ``tokens`` new tokens."""
+    """Fastest of ``repeats`` steps over ``batch`` requests x ``tokens`` new tokens.
+
+    One untimed step of the same shape first (oneDNN builds a GEMM primitive per new row count).
+    The minimum, not the median: on a shared machine every disturbance adds time, and the
+    policy scales this model by the engine's own measured steps anyway (``StepTimes``).
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -40,13 +44,13 @@ def measure(llm, batch: int, tokens: int, context: int, repeats: int, vocab: int
     prefixes = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prefixes], params, use_tqdm=False)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         prompts = [TokensPrompt(prompt_token_ids=p + [rng.randrange(100, vocab)
                                                       for _ in range(tokens)]) for p in prefixes]
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times[1:])
 
 
 def device_name() -> str:
@@ -82,7 +86,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int_list, default=int_list("1,2,4,8,16,32"))
     parser.add_argument("--tokens", type=int_list, default=int_list("1,2,4,8,16,32,64"))
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()

@@ -26,6 +26,15 @@ def test_step_cost_interpolates_and_takes_the_median_of_repeats():
     assert cost(0) == pytest.approx(0.011)  # never below the one-token step
 
 
+def test_step_cost_never_falls_with_more_tokens():
+    # noise made 4 tokens look cheaper than 1 and 16 cheaper than 8: those points are pooled
+    cost = StepCost.from_measurements([(1, 0.068), (2, 0.067), (4, 0.048), (8, 0.101),
+                                       (16, 0.085), (32, 0.140)])
+    assert list(cost.seconds) == sorted(cost.seconds)
+    assert cost.seconds[:3] == pytest.approx([0.061] * 3)
+    assert cost.seconds[3:] == pytest.approx([0.093, 0.093, 0.140])
+
+
 @pytest.mark.parametrize("tokens, seconds", [((1,), (0.1,)), ((8, 1), (0.1, 0.2)),
                                              ((1, 8), (0.1, 0.0))])
 def test_step_cost_refuses_bad_curves(tokens, seconds):
