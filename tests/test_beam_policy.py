@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import doctest
 import random
 
 import pytest
 
+from vllm_redrafter import beam_policy
 from vllm_redrafter.beam_policy import (
     AcceptanceStats,
     BeamPolicy,
@@ -24,6 +26,10 @@ def test_step_cost_interpolates_and_takes_the_median_of_repeats():
     assert cost.tokens == (1, 8, 64) and cost.seconds == (0.011, 0.012, 0.040)
     assert cost(8) == pytest.approx(0.012) and cost(36) == pytest.approx(0.026)
     assert cost(0) == pytest.approx(0.011)  # never below the one-token step
+
+
+def test_doctests():
+    assert doctest.testmod(beam_policy).failed == 0
 
 
 def test_step_cost_never_falls_with_more_tokens():
