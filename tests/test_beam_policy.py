@@ -261,3 +261,11 @@ def test_step_times_skip_warm_up_and_clip_outliers():
 
 def test_batch_buckets():
     assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_step_cost_cache_is_per_cpu_isa(monkeypatch):
+    paths = set()
+    for isa in ("avx2", "avx512_bf16"):
+        monkeypatch.setattr(beam_policy, "cpu_isa", lambda isa=isa: isa)
+        paths.add(beam_policy.step_cost_path("model", "torch.float32", "cpu"))
+    assert len(paths) == 2

@@ -75,11 +75,11 @@ def machine() -> str:
 
     import torch
 
+    from vllm_redrafter.beam_policy import cpu_isa
+
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    isa = next((f for f in ("avx512_bf16", "avx512f", "avx2") if f" {f}" in flags), "")
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores {isa}".strip()
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores {cpu_isa()}".strip()
 
 
 @dataclass
