@@ -5,9 +5,10 @@ For batch sizes B and tokens per request T, B prompts of P cached tokens (prefix
 get T new tokens each and ``max_tokens=1``: one engine step whose forward covers B * T query
 tokens over a cached context, as a verify step does. The fastest of ``--repeats`` runs (fresh
 suffixes each time, after one untimed run) per cell is printed as a table of ratios to the (B,
-T=1) step, and written as JSON with a PNG plot. The curve (seconds by total query tokens) is cached where the ReDrafter
-proposer looks for it (``vllm_redrafter.beam_policy.step_cost_path``: per model, dtype and
-machine), or passed to the engine as ``speculative_config["step_cost"]``.
+T=1) step, and written as JSON with a PNG plot. The curve (seconds by total query tokens, made
+monotone) is cached where the ReDrafter proposer looks for it
+(``vllm_redrafter.beam_policy.step_cost_path``: per model, dtype, machine and CPU ISA), or passed
+to the engine as ``speculative_config["step_cost"]``.
 
     python benchmarks/step_cost.py [--model DIR] [--dtype float32] [--batch-sizes 1,2,4,8,16,32]
         [--tokens 1,2,4,8,16,32,64] [--context 128] [--repeats 5] [--kv-cache-gib 2]
