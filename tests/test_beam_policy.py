@@ -182,21 +182,27 @@ def test_greedy_and_sampled_requests_are_judged_by_their_own_acceptance():
     assert policy.stats["sampled"].trials[(1, 1)] < before["sampled"]
 
 
-def run_engine(policy: BeamPolicy, true_seconds, true_p: float, steps: int, seed: int = 0):
-    """Simulated batch-1 engine steps under ``policy``: per step the chosen shape, its tokens and
-    its true seconds (``true_seconds(width, length)``); acceptance P(next) = true_p per depth."""
+def run_engine(policy: BeamPolicy, true_seconds, true_p: float, steps: int, seed: int = 0,
+               batch: int = 1):
+    """Simulated engine steps of ``batch`` requests under ``policy``: per step the chosen shape,
+    the tokens it emitted and its true seconds (``true_seconds(width, length)``); acceptance
+    P(next) = true_p per depth."""
     rng, now, log = random.Random(seed), 0.0, []
+    ids = [f"r{i}" for i in range(batch)]
     for _ in range(steps):
-        policy.step(["r"], prefilling=False, now=now)
-        choice = policy.choose(["greedy"], max_nodes=64)
-        tokens = 1
+        policy.step(ids, prefilling=False, now=now)
+        choice = policy.choose(["greedy"] * batch, max_nodes=64)
+        tokens = batch
         if choice.width:
-            while tokens < choice.length and rng.random() < true_p:
-                tokens += 1
-            policy.observe("greedy", choice.width, choice.length,
-                           1 + choice.width * (choice.length - 1), tokens - 1)
+            for _ in ids:
+                accepted = 0
+                while accepted + 1 < choice.length and rng.random() < true_p:
+                    accepted += 1
+                policy.observe("greedy", choice.width, choice.length,
+                               1 + choice.width * (choice.length - 1), accepted)
+                tokens += accepted
         else:
-            policy.observe_no_drafts(["greedy"])
+            policy.observe_no_drafts(["greedy"] * batch)
         seconds = true_seconds(choice.width, choice.length)
         now += seconds
         log.append((choice.width, tokens, seconds))
@@ -214,6 +220,19 @@ def test_measured_steps_overrule_a_curve_that_flatters_drafting():
     assert rate >= 0.97 * (1 / 0.010), rate
     assert policy.times.correction(1, 0, 0) == pytest.approx(1.0)
     assert policy.times.correction(1, 4, 4) > 5
+
+
+def test_a_new_batch_size_starts_from_what_a_smaller_one_measured():
+    """Drafted steps cost 2x what the curve says at every batch size. Learnt at batch 2, that
+    carries to batch 4 (relative to its plain steps): it explores there only briefly."""
+    flat = StepCost((1, 4096), (0.010, 0.0100001))
+    slow = lambda width, length: 0.010 * (1.0 if width == 0 else 2.0 + 0.1 * width)  # noqa: E731
+    policy = BeamPolicy(flat, max_width=4, max_length=4)
+    run_engine(policy, slow, true_p=0.5, steps=2000, batch=2)
+    log = run_engine(policy, slow, true_p=0.5, steps=1000, batch=4, seed=1)
+    drafted = sum(width > 0 for width, *_ in log)
+    assert drafted <= 15, drafted
+    assert policy.times.correction(4, 4, 4) > 1.8  # never drafted at batch 4: carried over
 
 
 def test_where_drafting_pays_a_plain_step_is_still_timed_now_and_then():
@@ -257,6 +276,20 @@ def test_step_times_skip_warm_up_and_clip_outliers():
     assert times.correction(1, 1, 3) == pytest.approx((1.2 + 2.4) / 2)
     assert times.correction(1, 4, 4) == times.correction(1, 1, 3)  # unseen: the bucket's mean
     assert times.correction(2, 1, 3) == 1.0  # another bucket
+
+
+def test_unmeasured_keys_borrow_from_other_buckets():
+    times = StepTimes(decay=1.0)
+    for _ in range(2):  # the first step of each key is warm-up
+        times.observe(2, 0, 0, predicted=0.010, seconds=0.012)
+        times.observe(2, 1, 4, predicted=0.010, seconds=0.024)
+    assert times.correction(8, 0, 0) == pytest.approx(1.2)  # plain: the nearest bucket's
+    assert times.correction(8, 1, 4) == pytest.approx(2.4)  # drafting: 2x plain, as at 2
+    for _ in range(2):
+        times.observe(8, 0, 0, predicted=0.010, seconds=0.015)
+    assert times.correction(8, 1, 4) == pytest.approx(1.5 * 2)
+    assert times.correction(1, 1, 4) == pytest.approx(1.2)  # nothing smaller: plain's, borrowed
+    assert times.correction(8, 2, 4) == pytest.approx(1.5)  # never measured: the bucket's mean
 
 
 def test_batch_buckets():

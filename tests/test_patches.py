@@ -39,17 +39,22 @@ def test_another_vllm_version_is_refused(monkeypatch):
 
 def test_register_applies_every_patch_once():
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_redrafter.vllm_plugin import register
 
+    def patched() -> list:
+        return [EngineArgs.create_speculative_config, GPUModelRunner.propose_draft_token_ids,
+                GPUModelRunner.sample_tokens, Scheduler.update_from_output, EngineCore.post_step,
+                InputProcessor._validate_params]
+
     register()
-    wrapped = [EngineArgs.create_speculative_config, GPUModelRunner.propose_draft_token_ids,
-               InputProcessor._validate_params]
+    wrapped = patched()
     register()  # vLLM may load plugins more than once per process
-    again = [EngineArgs.create_speculative_config, GPUModelRunner.propose_draft_token_ids,
-             InputProcessor._validate_params]
+    again = patched()
     assert again == wrapped
     for function in wrapped:
         assert getattr(function, "_vllm_redrafter_patched", False)

@@ -467,6 +467,22 @@ def test_acceptance_metrics_match_drafts_and_emitted_tokens(llm, proposer, promp
           f" per position {per_position}")
 
 
+def test_drafts_reach_the_scheduler_inside_the_step_output(llm, proposer, prompts, alone,
+                                                           monkeypatch):
+    """patches/draft_handoff.py: no ``take_draft_token_ids`` round trip after a step."""
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    round_trips = []
+    take = executor.take_draft_token_ids
+    monkeypatch.setattr(executor, "take_draft_token_ids",
+                        lambda: round_trips.append(1) or take())
+    proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=2)
+    before = spec_metrics(llm)
+    outputs = generate(llm, prompts[:4], [GREEDY] * 4)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == alone[:4]
+    drafts = spec_metrics(llm)["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
+    assert drafts > 0 and round_trips == []
+
+
 def _external_id(internal: str, emitted: dict) -> str:
     """The runner's request id carries a suffix ("0-ab12cd34"); LLM's outputs may not."""
     if internal in emitted:

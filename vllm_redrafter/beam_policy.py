@@ -115,6 +115,7 @@ class AcceptanceStats:
 
     decay: float = 0.999  # per observation: recent steps weigh more (the text changes)
     explore: float = 0.05  # weight of the upper confidence bound (simulated: 0.5 cost 10-20%)
+    min_trials: float = 8.0  # observations a (W, depth) count fades to, at the least
     hits: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> accepted >= d
     trials: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> observations
     packed_sum: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, L) -> nodes
@@ -133,12 +134,16 @@ class AcceptanceStats:
         self.packed_n[key] = self.packed_n.get(key, 0.0) * self.decay + 1
 
     def observe_no_drafts(self, batch: int) -> None:
-        """A step without drafts: the counts fade, so drafting is tried again in time."""
+        """A step without drafts: the counts fade, so drafting is tried again in time, but never
+        below ``min_trials`` observations: the estimate keeps its mean and its doubt stays
+        bounded, so a shape measured clearly losing is not retried in bursts (each retried step
+        costs what drafting loses)."""
         fade = self.decay ** batch
         self.total = self.total * fade + batch
-        for counts in (self.hits, self.trials):
-            for key in counts:
-                counts[key] *= fade
+        for key, n in self.trials.items():
+            f = max(fade, self.min_trials / n) if n > self.min_trials else 1.0
+            self.trials[key] = n * f
+            self.hits[key] = self.hits.get(key, 0.0) * f
 
     def p_accept(self, width: int, depth: int) -> float:
         """Upper confidence bound of P(accepted >= depth | width)."""
@@ -216,8 +221,11 @@ class DraftCost:
 class StepTimes:
     """Measured whole-step seconds as a ratio to the model's, per (batch bucket, W, L); W = 0: plain.
 
-    A shape never measured in a bucket takes the bucket's mean ratio (plain steps included), so
-    every estimate there is on the measured scale; a bucket never measured, ratio 1. The first
+    Unmeasured keys borrow: plain steps the nearest bucket's plain ratio (1 if none); a shape
+    its ratio at the nearest smaller bucket that measured it, relative to the plain steps of
+    each (a server whose load grows starts a batch size from what drafting cost at the last one,
+    rather than exploring every shape afresh), failing that the bucket's mean ratio (plain steps
+    included), so every estimate there is on the measured scale. The first
     step of a key is not counted: new shapes pay one-time costs (oneDNN builds a GEMM primitive
     per new row count), and a shape judged by that step would never be tried again. Later steps
     move a key's ratio by at most a factor ``clip`` each (a page fault or a GC pause is one step).
@@ -245,10 +253,27 @@ class StepTimes:
         b = bucket(batch)
         if (b, width, length) in self.ratio:
             return self.ratio[(b, width, length)]
+        plain = self._plain(b)
+        if width == 0:
+            return plain
+        smaller = [k[0] for k in self.ratio
+                   if k[0] < b and k[1:] == (width, length) and (k[0], 0, 0) in self.ratio]
+        if smaller:
+            s = max(smaller)
+            return plain * self.ratio[(s, width, length)] / self.ratio[(s, 0, 0)]
         seen = [(self.ratio[k], self.weight[k]) for k in self.ratio if k[0] == b]
         if not seen:
-            return 1.0
+            return plain
         return sum(r * w for r, w in seen) / sum(w for _, w in seen)
+
+    def _plain(self, b: int) -> float:
+        """Bucket b's plain-step ratio, else the nearest bucket's (the curve is of plain
+        forwards: its error hardly depends on the batch), else 1."""
+        measured = [k[0] for k in self.ratio if k[1] == 0]
+        if not measured:
+            return 1.0
+        nearest = min(measured, key=lambda m: (abs(m.bit_length() - b.bit_length()), m))
+        return self.ratio[(nearest, 0, 0)]
 
 
 def bucket(batch: int) -> int:

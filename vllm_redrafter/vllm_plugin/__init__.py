@@ -49,6 +49,7 @@ def register() -> None:
         PINNED_VLLM_VERSION,
         VllmVersionError,
         check_vllm_version,
+        draft_handoff,
         request_params,
         runner_hidden_states,
         runner_tree,
@@ -63,6 +64,7 @@ def register() -> None:
     speculative_config.apply()
     runner_hidden_states.apply()
     runner_tree.apply()
+    draft_handoff.apply()
     request_params.apply()
     _register_tree_attention()
     logger.debug("vllm-redrafter: patches for vLLM %s applied", PINNED_VLLM_VERSION)
