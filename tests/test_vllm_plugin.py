@@ -53,6 +53,7 @@ STOPPING = {  # greedy runs that end early: a stop token (as EOS would), a stop 
     "stop_string": dict(temperature=0.0, max_tokens=MAX_TOKENS, stop=[" and"]),
     "max_tokens": dict(temperature=0.0, max_tokens=37),
 }
+SEEDED = dict(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
 
 
 # -- fixtures ------------------------------------------------------------------------------------
@@ -88,8 +89,9 @@ def subprocess_runs(target_dir, prompts, tmp_path_factory) -> dict[str, dict]:
     # (name, VLLM_PLUGINS, prompts): the plugin-loaded plain run needs only a few prompts.
     for name, plugins, subset in (("alone", "", prompts), ("plugin_loaded", None, prompts[:4])):
         runs = [{"prompts": subset, "params": GREEDY}]
-        if name == "alone":  # where stop conditions fall mid-path
+        if name == "alone":  # where stop conditions fall mid-path; seeded sampling
             runs += [{"prompts": prompts, "params": p} for p in STOPPING.values()]
+            runs += [{"prompts": prompts[:4], "params": SEEDED}]
         env = {} if plugins is None else {"VLLM_PLUGINS": plugins}
         results[name] = generate_in_subprocess({"engine": engine_kwargs(target_dir), "runs": runs},
                                                work / name, env)
@@ -119,7 +121,13 @@ def alone(subprocess_runs) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def alone_stopping(subprocess_runs) -> dict[str, list[list[int]]]:
     """vLLM alone under each STOPPING condition."""
-    return dict(zip(STOPPING, subprocess_runs["alone"]["outputs"][1:]))
+    return dict(zip(STOPPING, subprocess_runs["alone"]["outputs"][1: 1 + len(STOPPING)]))
+
+
+@pytest.fixture(scope="module")
+def alone_seeded(subprocess_runs) -> list[list[int]]:
+    """vLLM alone, SEEDED sampling, the first 4 prompts."""
+    return subprocess_runs["alone"]["outputs"][1 + len(STOPPING)]
 
 
 @pytest.fixture(scope="module")
@@ -502,6 +510,26 @@ def test_temperature_with_seed_completes_every_request(llm, proposer, prompts):
         assert o.finished and o.outputs[0].finish_reason in ("length", "stop")
         assert 1 <= len(o.outputs[0].token_ids) <= 24
     assert any(r.drafts for r in proposer.trace)
+
+
+def test_steps_without_drafts_sample_as_vllm_alone(llm, proposer, prompts, alone_seeded,
+                                                  monkeypatch):
+    """A batch without drafts makes vLLM alone's sampler call: neither the tree walk nor vLLM's
+    rejection sampler (which copies the logits and draws noise over the vocabulary for nothing),
+    so seeded sampling gives vLLM alone's tokens."""
+    from vllm_redrafter.patches.runner_tree import tree_verifier
+
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    verifier = tree_verifier(runner)
+    calls = []
+    for owner, name in ((verifier, "_verify"), (verifier.rejection_sampler, "forward")):
+        method = getattr(owner, name)
+        monkeypatch.setattr(owner, name,
+                            lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
+    monkeypatch.setattr(proposer, "_shapes", lambda requests, cap, others=0: [None] * len(requests))
+    outputs = generate(llm, prompts[:4], [SEEDED] * 4)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == alone_seeded
+    assert calls == [] and not any(r.drafts for r in proposer.trace)
 
 
 def test_failing_drafter_falls_back_to_no_drafts(llm, proposer, prompts, alone):

@@ -59,6 +59,10 @@ class TreeVerifier(nn.Module):
 
     def forward(self, metadata, draft_probs, logits: Tensor, sampling_metadata):
         step, self.pending = self.pending, None
+        if step is None and metadata.max_spec_len == 0:
+            # No drafts in the batch: the call vLLM alone makes (vLLM's rejection sampler would
+            # copy the logits twice and, for sampled requests, draw a vocabulary of noise).
+            return self.sampler(logits=logits, sampling_metadata=sampling_metadata)
         if step is None:  # not a ReDrafter verify step (vLLM's dummy sampler run)
             return self.rejection_sampler(metadata, draft_probs, logits, sampling_metadata)
         with timed(getattr(self.runner.drafter, "timings", None), "accept", logits.device):
