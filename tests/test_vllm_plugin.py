@@ -148,10 +148,7 @@ def llm(target_dir, drafter_dir, subprocess_runs):
 @pytest.fixture
 def proposer(llm):
     """The engine's ReDrafterProposer; its debug hooks are reset after each test."""
-    core = llm.llm_engine.engine_core
-    assert hasattr(core, "engine_core"), "the engine must run in-process for these tests"
-    runner = core.engine_core.model_executor.driver_worker.worker.model_runner
-    proposer = runner.drafter
+    proposer = model_runner(llm).drafter
     source, policy = proposer.beam_source, proposer.policy
     proposer.trace = []
     yield proposer
@@ -195,10 +192,16 @@ def accepted_depth(drafts, parents, continuation) -> int:
     return depth
 
 
+def model_runner(llm):
+    """The engine's model runner (the engine runs in this process)."""
+    core = llm.llm_engine.engine_core
+    assert hasattr(core, "engine_core"), "the engine must run in-process for these tests"
+    return core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def verifier_counts(llm) -> dict[str, int]:
     """The tree verifier's counters (zeros before its first step: it is installed lazily)."""
-    core = llm.llm_engine.engine_core.engine_core
-    verifier = core.model_executor.driver_worker.worker.model_runner.rejection_sampler
+    verifier = model_runner(llm).rejection_sampler
     names = ("num_tree_verifications", "num_branching_verifications", "num_kv_moves")
     return {name: getattr(verifier, name, 0) for name in names}
 
@@ -519,8 +522,7 @@ def test_steps_without_drafts_sample_as_vllm_alone(llm, proposer, prompts, alone
     so seeded sampling gives vLLM alone's tokens."""
     from vllm_redrafter.patches.runner_tree import tree_verifier
 
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    verifier = tree_verifier(runner)
+    verifier = tree_verifier(model_runner(llm))
     calls = []
     for owner, name in ((verifier, "_verify"), (verifier.rejection_sampler, "forward")):
         method = getattr(owner, name)
