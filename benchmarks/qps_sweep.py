@@ -17,7 +17,8 @@ another curve (one that makes every extra token ruinous measures what a server t
 costs).
 
     python benchmarks/qps_sweep.py [--drafter DIR] [--concurrency 1,2,4,8,16] [--rates R,...]
-        [--prompts-per-level 6] [--repeats 2] [--warmup-prompts 16] [--max-tokens 64]
+        [--prompts-per-level 6] [--repeats 2] [--fixed-repeats N] [--warmup-prompts 16]
+        [--max-tokens 64]
         [--beam-width 4 --beam-length 4] [--step-cost CURVE.json]
         [--out benchmarks/results/qps_sweep.json]
 """
@@ -220,6 +221,9 @@ def main() -> None:
     parser.add_argument("--rates", default=None, help="request rates instead of concurrencies")
     parser.add_argument("--prompts-per-level", type=int, default=6, help="x the concurrency")
     parser.add_argument("--repeats", type=int, default=2, help="runs per server and load")
+    parser.add_argument("--fixed-repeats", type=int, default=None,
+                        help="runs of the policy-off server per load (default: --repeats; it is "
+                             "the slowest by far, and its gap to vLLM alone far wider than noise)")
     parser.add_argument("--warmup-prompts", type=int, default=16,
                         help="each server's uncounted first round (concurrency 2)")
     parser.add_argument("--num-prompts", type=int, default=None, help="the same at every load")
@@ -231,6 +235,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "qps_sweep.json")
     args = parser.parse_args()
+    if args.fixed_repeats is None or args.fixed_repeats > args.repeats:
+        args.fixed_repeats = args.repeats
 
     from vllm_redrafter.target import prepare_target
 
@@ -264,7 +270,8 @@ def main() -> None:
                 before = {name: counters(name) for name in ARMS}
                 for k in range(args.repeats):
                     for name in rotation(list(PORTS), i, k):
-                        runs[name].append(bench(name, target, dataset, load, args, work))
+                        if name != "fixed" or k < args.fixed_repeats:
+                            runs[name].append(bench(name, target, dataset, load, args, work))
                 for name in ARMS:
                     drafted[name] = drafted_fraction(counters(name), before[name])
                 raw[load["label"]] = {  # the scalars of every run, not the per-request lists
@@ -297,6 +304,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine(), "specs": specs, "loads": levels,
                                     "max_tokens": args.max_tokens, "repeats": args.repeats,
+                                    "fixed_repeats": args.fixed_repeats,
                                     "warmup_prompts": args.warmup_prompts, "rows": rows, "raw": raw},
                                    indent=1, default=str))
     plot(rows, args.out.with_suffix(".png"))

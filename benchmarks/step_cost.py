@@ -5,8 +5,8 @@ For batch sizes B and tokens per request T, B prompts of P cached tokens (prefix
 get T new tokens each and ``max_tokens=1``: one engine step whose forward covers B * T query
 tokens over a cached context, as a verify step does. The fastest of ``--repeats`` runs (fresh
 suffixes each time, after one untimed run) per cell is printed as a table of ratios to the (B,
-T=1) step, and written as JSON with a PNG plot. The curve (seconds by total query tokens, made
-monotone) is cached where the ReDrafter proposer looks for it
+T=1) step, and written as JSON with a PNG plot. The curves (per batch size, seconds by total query
+tokens, each made monotone) are cached where the ReDrafter proposer looks for them
 (``vllm_redrafter.beam_policy.step_cost_path``: per model, dtype, machine and CPU ISA), or passed
 to the engine as ``speculative_config["step_cost"]``.
 

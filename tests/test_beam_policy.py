@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import json
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from vllm_redrafter import beam_policy
 from vllm_redrafter.beam_policy import (
     AcceptanceStats,
+    BatchStepCost,
     BeamPolicy,
     DraftCost,
     StepCost,
@@ -18,6 +20,7 @@ from vllm_redrafter.beam_policy import (
     bucket,
     candidate_widths,
     choose_shape,
+    load_step_cost,
 )
 
 
@@ -52,6 +55,47 @@ def test_step_cost_round_trips(tmp_path):
     cost = StepCost((1, 4, 16), (0.01, 0.02, 0.05))
     cost.save(tmp_path / "c.json", model="m")
     assert StepCost.load(tmp_path / "c.json") == cost
+
+
+# benchmarks/step_cost.py on the AVX2 CPU (2026-11-25), seconds per (batch, tokens per request)
+AVX2_CELLS = {(1, 1): 0.0636, (1, 2): 0.0724, (1, 4): 0.0767, (1, 8): 0.1240,
+              (2, 1): 0.0943, (2, 2): 0.1005, (2, 4): 0.1057, (2, 8): 0.1222,
+              (4, 1): 0.0886, (4, 2): 0.1145, (4, 4): 0.2018, (4, 8): 0.1971}
+
+
+def cells(table: dict[tuple[int, int], float]) -> list[dict]:
+    return [{"batch": b, "tokens": t, "total_tokens": b * t, "seconds": s}
+            for (b, t), s in table.items()]
+
+
+def test_batch_step_cost_keeps_each_batch_sizes_curve_and_interpolates_between():
+    cost = BatchStepCost.from_cells(cells(AVX2_CELLS))
+    assert [b for b, _ in cost.curves] == [1, 2, 4]
+    assert cost(4, 1) == pytest.approx(0.0767) and cost(4, 2) == pytest.approx(0.1005)
+    assert cost(16, 4) == pytest.approx((0.2018 + 0.1971) / 2)  # made monotone per batch size
+    # 3 requests, 6 tokens: halfway between batch 2 (3 each) and batch 4 (1.5 each)
+    assert cost(6, 3) == pytest.approx(((0.1005 + 0.1057) / 2 + (0.0886 + 0.1145) / 2) / 2)
+    assert cost(64, 8) == cost(64, 4)  # beyond the largest batch size: its curve
+    with pytest.raises(ValueError, match="batch sizes"):
+        BatchStepCost(((2, StepCost((1, 2), (0.1, 0.2))), (1, StepCost((1, 2), (0.1, 0.2)))))
+
+
+def test_a_curve_per_batch_size_lets_one_request_draft_chains(tmp_path):
+    """By total tokens alone, 3 tokens look as dear as a batch-2 step (1.4x one): a chain of
+    1.4 tokens per step does not pay. One request's own curve says 1.15x: it does."""
+    stats = AcceptanceStats(decay=1.0, explore=0.0)
+    for accepted in [0] * 65 + [1] * 30 + [2] * 5:  # 1.4 tokens per step
+        stats.observe(1, 3, packed=3, accepted=accepted)
+    pooled = StepCost.from_measurements((c["total_tokens"], c["seconds"])
+                                        for c in cells(AVX2_CELLS))
+    assert choose_shape(1, 1, 3, pooled, stats, DraftCost()).width == 0
+    (tmp_path / "c.json").write_text(json.dumps({"cells": cells(AVX2_CELLS), "tokens": [1, 2],
+                                                 "seconds": [0.1, 0.2]}))
+    per_batch = load_step_cost(tmp_path / "c.json")
+    assert isinstance(per_batch, BatchStepCost)
+    assert choose_shape(1, 1, 3, per_batch, stats, DraftCost()).width == 1
+    # batch 4: 3 tokens each cost 1.7x one, more than 1.4 tokens per step pay for
+    assert choose_shape(4, 1, 3, per_batch, stats, DraftCost()).length < 3
 
 
 def test_candidate_widths():

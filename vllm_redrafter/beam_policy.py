@@ -1,15 +1,15 @@
 """The beam policy: per step, the beam shape with the most expected tokens per second of step.
 
 A verify step over a batch of B requests costs one target forward over all their packed tree
-tokens (``StepCost``, measured once per machine and model by ``benchmarks/step_cost.py``) plus the
-drafter's beam search (measured as it runs). It emits, per request, 1 + the accepted draft tokens,
-whose expectation for a beam shape (W, L) is ``1 + sum_{d=1}^{L-1} P(accepted >= d | W)``
+tokens (``BatchStepCost``: by total tokens and batch size, measured once per machine and model by
+``benchmarks/step_cost.py``) plus the drafter's beam search (measured as it runs). It emits, per
+request, 1 + the accepted draft tokens, whose expectation for a beam shape (W, L) is ``1 + sum_{d=1}^{L-1} P(accepted >= d | W)``
 (``AcceptanceStats``, counted from the verified steps, apart for greedy and sampled requests:
 sampling accepts less, and a server mixes both). So the policy picks
 
-    argmax over (W, L) of  B * tokens(W, L) / (target(B * packed(W, L)) + draft(B, W, L))
+    argmax over (W, L) of  B * tokens(W, L) / (target(B * packed(W, L), B) + draft(B, W, L))
 
-against the plain step, ``B / target(B)``: when no shape beats it, the step goes without drafts.
+against the plain step, ``B / target(B, B)``: when no shape beats it, the step goes without drafts.
 Unseen shapes are estimated optimistically (an upper confidence bound), so each is tried and then
 judged by what it measured.
 
@@ -70,7 +70,8 @@ class StepCost:
         ns = sorted(by_n)
         return cls(tuple(ns), tuple(monotone([sorted(by_n[n])[len(by_n[n]) // 2] for n in ns])))
 
-    def __call__(self, n: float) -> float:
+    def __call__(self, n: float, requests: int = 1) -> float:
+        """``requests`` is ignored: one curve for every batch size (:class:`BatchStepCost`)."""
         xs, ys = self.tokens, self.seconds
         i = 1
         while i < len(xs) - 1 and n > xs[i]:
@@ -87,6 +88,54 @@ class StepCost:
     def load(cls, path: Path) -> StepCost:
         data = json.loads(Path(path).read_text())
         return cls(tuple(data["tokens"]), tuple(data["seconds"]))
+
+
+@dataclass(frozen=True)
+class BatchStepCost:
+    """Seconds of one target forward over ``n`` query tokens split among ``requests`` requests.
+
+    One :class:`StepCost` curve (by total tokens) per measured batch size, linear between batch
+    sizes. The split matters: on the AVX2 CPU one request's 4-token forward costs 1.21x its
+    1-token one, while two requests' 2 tokens each cost 1.44x one request's single token, so a
+    curve by total tokens alone tells batch 1 that chains do not pay.
+
+    >>> cost = BatchStepCost(((1, StepCost((1, 8), (0.010, 0.012))),
+    ...                       (4, StepCost((4, 32), (0.020, 0.040)))))
+    >>> round(cost(4, 1), 5), round(cost(4, 4), 5), round(cost(8, 2), 5)
+    (0.01086, 0.02, 0.01562)
+    """
+
+    curves: tuple[tuple[int, StepCost], ...]  # (batch size, its curve), batch sizes increasing
+
+    def __post_init__(self) -> None:
+        sizes = [b for b, _ in self.curves]
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"step-cost batch sizes must be >= 1 and increase strictly: {sizes}")
+
+    @classmethod
+    def from_cells(cls, cells: Iterable[dict]) -> BatchStepCost:
+        """From ``benchmarks/step_cost.py``'s cells (``batch``, ``total_tokens``, ``seconds``)."""
+        by_batch: dict[int, list[tuple[int, float]]] = {}
+        for c in cells:
+            by_batch.setdefault(int(c["batch"]), []).append((c["total_tokens"], c["seconds"]))
+        return cls(tuple((b, StepCost.from_measurements(by_batch[b])) for b in sorted(by_batch)))
+
+    def __call__(self, n: float, requests: int = 1) -> float:
+        sizes = [b for b, _ in self.curves]
+        i = next((i for i, b in enumerate(sizes) if b >= requests), len(sizes) - 1)
+        if i == 0 or sizes[i] <= requests:
+            return self.curves[i][1](n)
+        (b0, lo), (b1, hi) = self.curves[i - 1], self.curves[i]
+        w = (requests - b0) / (b1 - b0)
+        return (1 - w) * lo(n) + w * hi(n)
+
+
+def load_step_cost(path: Path) -> StepCost | BatchStepCost:
+    """The curve ``benchmarks/step_cost.py`` saved: per batch size where it measured several."""
+    data = json.loads(Path(path).read_text())
+    if len({c["batch"] for c in data.get("cells", ())}) > 1:
+        return BatchStepCost.from_cells(data["cells"])
+    return StepCost(tuple(data["tokens"]), tuple(data["seconds"]))
 
 
 def monotone(values: Sequence[float]) -> list[float]:
@@ -297,7 +346,7 @@ def candidate_widths(max_width: int) -> list[int]:
     return sorted({*widths, max_width})
 
 
-def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost,
+def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost | BatchStepCost,
                  stats: AcceptanceEstimate, draft: DraftCost, max_nodes: int | None = None,
                  others: int = 0, times: StepTimes | None = None) -> Choice:
     """The beam shape with the most expected tokens per second for this step (module docstring).
@@ -311,7 +360,7 @@ def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost,
     def scale(width: int, length: int) -> float:
         return times.correction(n, width, length) if times is not None else 1.0
 
-    plain = target(n)
+    plain = target(n, n)
     best = Choice(0, 0, n / (plain * scale(0, 0)), plain)
     widths = candidate_widths(max_width)
     for width in widths if batch else ():
@@ -319,7 +368,7 @@ def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost,
             packed = stats.packed(width, length)
             if max_nodes is not None and packed - 1 > max_nodes:
                 continue
-            seconds = target(batch * packed + others) + draft(batch, width, length)
+            seconds = target(batch * packed + others, n) + draft(batch, width, length)
             tokens = batch * stats.tokens_per_step(width, length, widths) + others
             rate = tokens / (seconds * scale(width, length))
             if rate > best.tokens_per_second:
@@ -334,7 +383,7 @@ class BeamPolicy:
     that just ended; that ends the timing of the previous step, if :meth:`choose` chose its shape.
     """
 
-    def __init__(self, target: StepCost, max_width: int, max_length: int,
+    def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
                  plain_every: int | None = 32) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats = {kind: AcceptanceStats() for kind in KINDS}
@@ -377,7 +426,7 @@ class BeamPolicy:
         every = self.plain_every
         since = self._since_plain.get(bucket(n), (every or 2) - 2)  # a bucket's 2nd step: plain
         if every and choice.width and since + 1 >= every:
-            choice = Choice(0, 0, 0.0, self.target(n))  # measure a plain step now and then
+            choice = Choice(0, 0, 0.0, self.target(n, n))  # measure a plain step now and then
         self._since_plain[bucket(n)] = since + 1 if choice.width else 0
         if self._open is not None:
             self._open = (*self._open[:2], choice)

@@ -29,7 +29,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from vllm_redrafter.beam_policy import BeamPolicy, StepCost, acceptance_kind, step_cost_path
+from vllm_redrafter.beam_policy import (
+    BeamPolicy,
+    acceptance_kind,
+    load_step_cost,
+    step_cost_path,
+)
 from vllm_redrafter.beam_search import BeamSearchOutput, beam_search
 from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.drafter import RecurrentDrafter
@@ -148,7 +153,7 @@ class ReDrafterProposer:
                         "benchmarks/step_cost.py measures it): fixed beam shape", path)
             return None
         logger.info("ReDrafter: beam policy on, step cost from %s", path)
-        return BeamPolicy(StepCost.load(path), self.settings.beam_width, self.settings.beam_length)
+        return BeamPolicy(load_step_cost(path), self.settings.beam_width, self.settings.beam_length)
 
     # -- the step --------------------------------------------------------------------------------
 
