@@ -98,6 +98,16 @@ def test_a_curve_per_batch_size_lets_one_request_draft_chains(tmp_path):
     assert choose_shape(4, 1, 3, per_batch, stats, DraftCost()).length < 3
 
 
+def test_a_shape_must_beat_the_plain_step_by_the_margin():
+    stats = AcceptanceStats(decay=1.0, explore=0.0)
+    for accepted in [0] * 70 + [1] * 30:  # 1.3 tokens per step
+        stats.observe(1, 2, packed=2, accepted=accepted)
+    cost = StepCost((1, 2), (0.010, 0.0124))  # a 2-token step: 1.24x, so drafting gains 5%
+    assert choose_shape(1, 1, 2, cost, stats, DraftCost()).width == 1
+    assert choose_shape(1, 1, 2, cost, stats, DraftCost(), min_gain=1.08).width == 0
+    assert BeamPolicy(cost, 1, 2).min_gain > 1.0  # the engine's policy keeps a margin
+
+
 def test_candidate_widths():
     assert candidate_widths(1) == [1]
     assert candidate_widths(12) == [1, 2, 4, 8, 12]

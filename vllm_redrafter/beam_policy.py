@@ -348,12 +348,14 @@ def candidate_widths(max_width: int) -> list[int]:
 
 def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost | BatchStepCost,
                  stats: AcceptanceEstimate, draft: DraftCost, max_nodes: int | None = None,
-                 others: int = 0, times: StepTimes | None = None) -> Choice:
+                 others: int = 0, times: StepTimes | None = None,
+                 min_gain: float = 1.0) -> Choice:
     """The beam shape with the most expected tokens per second for this step (module docstring).
 
     ``batch`` requests may draft; ``others`` share the step with one token each (prefill chunks
     count their tokens). ``max_nodes``: the most draft nodes a request may verify. ``times``:
-    measured whole steps, scaling the model's seconds.
+    measured whole steps, scaling the model's seconds. ``min_gain``: a shape must beat the plain
+    step by this factor to be drafted.
     """
     n = batch + others
 
@@ -361,7 +363,8 @@ def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost |
         return times.correction(n, width, length) if times is not None else 1.0
 
     plain = target(n, n)
-    best = Choice(0, 0, n / (plain * scale(0, 0)), plain)
+    plain_rate = n / (plain * scale(0, 0))
+    best = Choice(0, 0, plain_rate, plain)
     widths = candidate_widths(max_width)
     for width in widths if batch else ():
         for length in range(2, max_length + 1):
@@ -371,7 +374,7 @@ def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost |
             seconds = target(batch * packed + others, n) + draft(batch, width, length)
             tokens = batch * stats.tokens_per_step(width, length, widths) + others
             rate = tokens / (seconds * scale(width, length))
-            if rate > best.tokens_per_second:
+            if rate > max(best.tokens_per_second, plain_rate * min_gain):
                 best = Choice(width, length, rate, seconds)
     return best
 
@@ -384,11 +387,15 @@ class BeamPolicy:
     """
 
     def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
-                 plain_every: int | None = 32) -> None:
+                 plain_every: int | None = 32, min_gain: float = 1.05) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats = {kind: AcceptanceStats() for kind in KINDS}
         self.draft, self.times = DraftCost(), StepTimes()
         self.plain_every = plain_every  # a plain step at least this often (None: never forced)
+        # Drafting must promise this much more than a plain step: the model is measured, but
+        # with noise (on a shared 2-core CPU whole steps swing 10-20%), and a shape that merely
+        # ties costs more than it gains when it errs; where trees pay, they pay far more.
+        self.min_gain = min_gain
         self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
         self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
 
@@ -422,7 +429,7 @@ class BeamPolicy:
         mix = BatchAcceptance(tuple((self.stats[kind], kinds.count(kind) / max(batch, 1))
                                     for kind in KINDS if kind in kinds))
         choice = choose_shape(batch, self.max_width, self.max_length, self.target, mix,
-                              self.draft, max_nodes, others, self.times)
+                              self.draft, max_nodes, others, self.times, self.min_gain)
         every = self.plain_every
         since = self._since_plain.get(bucket(n), (every or 2) - 2)  # a bucket's 2nd step: plain
         if every and choice.width and since + 1 >= every:
