@@ -3,15 +3,16 @@
 A verify step over a batch of B requests costs one target forward over all their packed tree
 tokens (``BatchStepCost``: by total tokens and batch size, measured once per machine and model by
 ``benchmarks/step_cost.py``) plus the drafter's beam search (measured as it runs). It emits, per
-request, 1 + the accepted draft tokens, whose expectation for a beam shape (W, L) is ``1 + sum_{d=1}^{L-1} P(accepted >= d | W)``
-(``AcceptanceStats``, counted from the verified steps, apart for greedy and sampled requests:
-sampling accepts less, and a server mixes both). So the policy picks
+request, 1 + the accepted draft tokens, whose expectation for a beam shape (W, L) is
+``1 + sum_{d=1}^{L-1} P(accepted >= d | W)`` (``AcceptanceStats``, counted from the verified
+steps, apart for greedy and sampled requests: sampling accepts less, and a server mixes both). So
+the policy picks
 
     argmax over (W, L) of  B * tokens(W, L) / (target(B * packed(W, L), B) + draft(B, W, L))
 
-against the plain step, ``B / target(B, B)``: when no shape beats it, the step goes without drafts.
-Unseen shapes are estimated optimistically (an upper confidence bound), so each is tried and then
-judged by what it measured.
+against the plain step, ``B / target(B, B)``: when no shape beats it by a margin (5%: the model is
+measured, with noise), the step goes without drafts. Unseen shapes are estimated optimistically (an
+upper confidence bound), so each is tried and then judged by what it measured.
 
 The curve and the drafter's cost are a model; what the user pays is the whole engine step
 (scheduling, the forward, the tree attention, sampling, the draft). So the policy also times whole
