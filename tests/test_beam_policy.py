@@ -54,7 +54,7 @@ def test_step_cost_refuses_bad_curves(tokens, seconds):
 def test_step_cost_round_trips(tmp_path):
     cost = StepCost((1, 4, 16), (0.01, 0.02, 0.05))
     cost.save(tmp_path / "c.json", model="m")
-    assert StepCost.load(tmp_path / "c.json") == cost
+    assert load_step_cost(tmp_path / "c.json") == cost
 
 
 # benchmarks/step_cost.py on the AVX2 CPU (2026-11-25), seconds per (batch, tokens per request)

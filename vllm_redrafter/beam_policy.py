@@ -85,11 +85,6 @@ class StepCost:
         path.write_text(json.dumps({**meta, "tokens": list(self.tokens),
                                     "seconds": list(self.seconds)}, indent=1))
 
-    @classmethod
-    def load(cls, path: Path) -> StepCost:
-        data = json.loads(Path(path).read_text())
-        return cls(tuple(data["tokens"]), tuple(data["seconds"]))
-
 
 @dataclass(frozen=True)
 class BatchStepCost:
@@ -132,7 +127,8 @@ class BatchStepCost:
 
 
 def load_step_cost(path: Path) -> StepCost | BatchStepCost:
-    """The curve ``benchmarks/step_cost.py`` saved: per batch size where it measured several."""
+    """A curve saved by :meth:`StepCost.save` (``benchmarks/step_cost.py`` adds its cells): per
+    batch size where it measured several, else the one curve."""
     data = json.loads(Path(path).read_text())
     if len({c["batch"] for c in data.get("cells", ())}) > 1:
         return BatchStepCost.from_cells(data["cells"])
