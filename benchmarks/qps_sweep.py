@@ -14,7 +14,9 @@ request-steps that drafted (from the server's /metrics). Printed as a table, wri
 every run's scalars, and drawn as ratios to vLLM alone vs load. Measure the step cost first
 (``benchmarks/step_cost.py``): without it the policy is off. ``--step-cost FILE`` gives the policy
 another curve (one that makes every extra token ruinous measures what a server that never drafts
-costs).
+costs). The servers inherit this script's environment: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0 python
+benchmarks/qps_sweep.py`` serves on every core (vLLM reserves one for its engine core by default;
+the JSON records the ``VLLM_CPU_*`` variables), with a step-cost curve measured the same way.
 
     python benchmarks/qps_sweep.py [--drafter DIR] [--concurrency 1,2,4,8,16] [--rates R,...]
         [--prompts-per-level 6] [--repeats 2] [--fixed-repeats N] [--warmup-prompts 16]
@@ -302,7 +304,9 @@ def main() -> None:
 
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "specs": specs, "loads": levels,
+    vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}
+    args.out.write_text(json.dumps({"machine": machine(), "vllm_cpu_env": vllm_env,
+                                    "specs": specs, "loads": levels,
                                     "max_tokens": args.max_tokens, "repeats": args.repeats,
                                     "fixed_repeats": args.fixed_repeats,
                                     "warmup_prompts": args.warmup_prompts, "rows": rows, "raw": raw},

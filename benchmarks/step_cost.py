@@ -7,8 +7,10 @@ tokens over a cached context, as a verify step does. The fastest of ``--repeats`
 suffixes each time, after one untimed run) per cell is printed as a table of ratios to the (B,
 T=1) step, and written as JSON with a PNG plot. The curves (per batch size, seconds by total query
 tokens, each made monotone) are cached where the ReDrafter proposer looks for them
-(``vllm_redrafter.beam_policy.step_cost_path``: per model, dtype, machine and CPU ISA), or passed
-to the engine as ``speculative_config["step_cost"]``.
+(``vllm_redrafter.beam_policy.step_cost_path``: per model, dtype, machine, CPU ISA and the
+worker's thread count), or passed to the engine as ``speculative_config["step_cost"]``. Measure
+with the environment the server will have: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0 python
+benchmarks/step_cost.py`` for a server started with it.
 
     python benchmarks/step_cost.py [--model DIR] [--dtype float32] [--batch-sizes 1,2,4,8,16,32]
         [--tokens 1,2,4,8,16,32,64] [--context 128] [--repeats 5] [--kv-cache-gib 2]
@@ -25,6 +27,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_PLUGINS", "")  # vLLM alone: the target's own cost
+# To ask the worker its torch thread count (a function of ours, through collective_rpc).
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 from vllm_redrafter.beam_policy import StepCost, step_cost_path  # noqa: E402
 from vllm_redrafter.demo import int_list  # noqa: E402
@@ -52,6 +56,13 @@ def measure(llm, batch: int, tokens: int, context: int, repeats: int, vocab: int
         llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
     return min(times[1:])
+
+
+def torch_threads(worker=None) -> int:
+    """The model runner's torch threads (called in vLLM's worker: its thread binding sets them)."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def device_name() -> str:
@@ -127,8 +138,10 @@ def main() -> None:
 
     curve = StepCost.from_measurements((c["total_tokens"], c["seconds"]) for c in cells)
     dtype = str(getattr(torch, args.dtype))
-    cached = step_cost_path(args.model, dtype, device_name())
-    meta = {"model": args.model, "dtype": dtype, "device": device_name(), "cells": cells}
+    threads = llm.collective_rpc(torch_threads)[0]
+    cached = step_cost_path(args.model, dtype, device_name(), threads)
+    meta = {"model": args.model, "dtype": dtype, "device": device_name(),
+            "worker_threads": threads, "cells": cells}
     curve.save(cached, **meta)
     args.out.mkdir(parents=True, exist_ok=True)
     curve.save(args.out / "step_cost.json", **meta)

@@ -350,9 +350,12 @@ def test_batch_buckets():
     assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
 
 
-def test_step_cost_cache_is_per_cpu_isa(monkeypatch):
+def test_step_cost_cache_is_per_cpu_isa_and_thread_count(monkeypatch):
     paths = set()
     for isa in ("avx2", "avx512_bf16"):
         monkeypatch.setattr(beam_policy, "cpu_isa", lambda isa=isa: isa)
-        paths.add(beam_policy.step_cost_path("model", "torch.float32", "cpu"))
-    assert len(paths) == 2
+        for threads in (1, 2):
+            paths.add(beam_policy.step_cost_path("model", "torch.float32", "cpu", threads))
+    assert len(paths) == 4
+    gpu = {beam_policy.step_cost_path("model", "torch.bfloat16", "NVIDIA H100", t) for t in (1, 8)}
+    assert len(gpu) == 1  # on a GPU the host's threads do not set the step's cost

@@ -444,14 +444,19 @@ def cpu_isa() -> str:
     return next((f for f in ("avx512_bf16", "avx512f", "avx2") if f" {f}" in flags), "")
 
 
-def step_cost_path(model: str, dtype: str, device: str) -> Path:
+def step_cost_path(model: str, dtype: str, device: str, threads: int) -> Path:
     """Where ``benchmarks/step_cost.py`` caches the curve of a model on this machine.
 
     The key names the CPU's ISA too: an AVX2 CPU and an AVX-512 one with as many cores have
     different curves (measured: 8 verified tokens cost 1.44x one on the first, 1.04x on the
-    second)."""
+    second). And the model runner's torch threads: on a CPU, vLLM's worker gets the cores its
+    thread binding leaves it (by default one core is reserved for the engine-core process, so a
+    2-core machine serves on one thread; ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` gives it both), and
+    every curve is a different one."""
     from vllm_redrafter.target import cache_dir
 
     machine = f"{platform.machine()}|{os.cpu_count()}|{cpu_isa()}|{device}"
+    if device == "cpu":
+        machine += f"|threads={threads}"
     key = hashlib.sha256(f"{model}|{dtype}|{machine}".encode()).hexdigest()[:16]
     return cache_dir() / "step_cost" / f"{key}.json"

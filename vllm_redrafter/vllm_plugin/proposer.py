@@ -146,8 +146,8 @@ class ReDrafterProposer:
         if self.settings.beam_policy != "auto":
             return None
         device = torch.cuda.get_device_name(weight.device) if weight.is_cuda else weight.device.type
-        path = Path(self.settings.step_cost or step_cost_path(self.model_config.model,
-                                                              str(weight.dtype), device))
+        path = Path(self.settings.step_cost or step_cost_path(
+            self.model_config.model, str(weight.dtype), device, torch.get_num_threads()))
         if not path.is_file():
             logger.info("ReDrafter: no step-cost curve for this model and machine (%s; "
                         "benchmarks/step_cost.py measures it): fixed beam shape", path)
