@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and level
 
 
 def _register_tree_attention() -> None:

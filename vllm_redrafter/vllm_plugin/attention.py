@@ -38,7 +38,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm_redrafter.kernels import paged_tree_attention, use_triton
 from vllm_redrafter.vllm_plugin.tree_step import TreeAttentionInputs
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and level
 
 BACKEND_PATH = "vllm_redrafter.vllm_plugin.attention.TreeCPUAttentionBackend"
 TRANSPOSED_K_ISAS = ("vec", "vec16")

@@ -49,7 +49,7 @@ from vllm_redrafter.vllm_plugin.cpu_gemm import use_vllm_cpu_gemm
 from vllm_redrafter.vllm_plugin.timing import StepTimings, timed
 from vllm_redrafter.vllm_plugin.tree_step import RequestTree
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and level
 
 
 class BeamSource(Protocol):

@@ -38,7 +38,7 @@ from vllm_redrafter.verify import (
 from vllm_redrafter.vllm_plugin.timing import timed
 from vllm_redrafter.vllm_plugin.tree_step import RequestTree, TreeStep
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and level
 
 
 class TreeVerifier(nn.Module):
