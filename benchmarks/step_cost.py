@@ -127,8 +127,9 @@ def main() -> None:
         one = next(x for x in cells if x["batch"] == c["batch"] and x["tokens"] == min(args.tokens))
         c["ratio"] = c["seconds"] / one["seconds"]
 
+    device, threads = device_name(), llm.collective_rpc(torch_threads)[0]
     print(f"\nstep time / (same batch, T = {min(args.tokens)}), {args.model} ({args.dtype}), "
-          f"{device_name()}, context {args.context}")
+          f"{device}, {threads} worker threads, context {args.context}")
     print("B \\ T " + "".join(f"{t:>7}" for t in args.tokens))
     for batch in args.batch_sizes:
         row = [c for c in cells if c["batch"] == batch]
@@ -138,10 +139,9 @@ def main() -> None:
 
     curve = StepCost.from_measurements((c["total_tokens"], c["seconds"]) for c in cells)
     dtype = str(getattr(torch, args.dtype))
-    threads = llm.collective_rpc(torch_threads)[0]
-    cached = step_cost_path(args.model, dtype, device_name(), threads)
-    meta = {"model": args.model, "dtype": dtype, "device": device_name(),
-            "worker_threads": threads, "cells": cells}
+    cached = step_cost_path(args.model, dtype, device, threads)
+    meta = {"model": args.model, "dtype": dtype, "device": device, "worker_threads": threads,
+            "cells": cells}
     curve.save(cached, **meta)
     args.out.mkdir(parents=True, exist_ok=True)
     curve.save(args.out / "step_cost.json", **meta)
