@@ -276,6 +276,39 @@ def test_measured_steps_overrule_a_curve_that_flatters_drafting():
     assert policy.times.correction(1, 4, 4) > 5
 
 
+def test_a_curve_that_overprices_drafting_is_found_out_by_probes():
+    """The curve prices each extra verified token at 0.6 of a step; on the machine a drafted step
+    costs 1.05x a plain one. On the model drafting loses (by less than the probe floor), and
+    without probes nothing ever times a drafted step to correct it. With them, the untimed shape
+    is drafted now and then, its time measured, and the policy drafts from then on."""
+    steep = StepCost((1, 4096), (0.010, 0.010 * (1 + 0.6 * 4095)))
+    cheap = lambda width, length: 0.010 if width == 0 else 0.0105  # noqa: E731
+
+    def late_rate_and_drafted(policy: BeamPolicy) -> tuple[float, float]:
+        late = run_engine(policy, cheap, true_p=0.6, steps=3000)[-1000:]
+        rate = sum(tokens for _, tokens, _ in late) / sum(seconds for *_, seconds in late)
+        return rate, sum(width > 0 for width, *_ in late) / len(late)
+
+    rate, drafted = late_rate_and_drafted(BeamPolicy(steep, max_width=1, max_length=3))
+    assert drafted > 0.8 and rate > 1.4 / 0.010, (drafted, rate)
+    rate, drafted = late_rate_and_drafted(BeamPolicy(steep, 1, 3, probe_every=None))
+    assert drafted == 0 and rate == pytest.approx(1 / 0.010)
+
+
+def test_probes_are_few_and_only_of_shapes_never_timed():
+    """A curve that prices drafting right (it loses by 10%): each untimed shape is probed until
+    timed (twice: a key's first step is warm-up), then never again."""
+    cost = StepCost((1, 4096), (0.010, 0.010 * (1 + 0.7 * 4095)))
+    true = lambda width, length: cost(1 + width * (length - 1)) if width else 0.010  # noqa: E731
+    policy = BeamPolicy(cost, max_width=2, max_length=3, probe_every=16)
+    log = run_engine(policy, true, true_p=0.5, steps=4000)
+    drafted = [i for i, (width, *_) in enumerate(log) if width]
+    assert 2 <= len(drafted) <= 2 * 4, drafted  # at most 4 shapes, each twice in a row
+    assert max(drafted) < 2000, drafted  # all early: nothing left untimed
+    rate = sum(tokens for _, tokens, _ in log) / sum(seconds for *_, seconds in log)
+    assert rate >= 0.99 / 0.010, rate
+
+
 def test_a_new_batch_size_starts_from_what_a_smaller_one_measured():
     """Drafted steps cost 2x what the curve says at every batch size. Learnt at batch 2, that
     carries to batch 4 (relative to its plain steps): it explores there only briefly."""

@@ -295,6 +295,12 @@ class StepTimes:
         self.ratio[key] = (self.ratio.get(key, 0.0) * w + r) / (w + 1)
         self.weight[key] = w + 1
 
+    def measured(self, batch: int, width: int, length: int) -> bool:
+        """Whether this shape's ratio at ``batch`` rests on its own timed steps (at this bucket,
+        or carried from a smaller one) rather than on the bucket's mean or on nothing."""
+        b = bucket(batch)
+        return any(k[0] <= b and k[1:] == (width, length) for k in self.ratio)
+
     def correction(self, batch: int, width: int, length: int) -> float:
         b = bucket(batch)
         if (b, width, length) in self.ratio:
@@ -343,26 +349,19 @@ def candidate_widths(max_width: int) -> list[int]:
     return sorted({*widths, max_width})
 
 
-def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost | BatchStepCost,
-                 stats: AcceptanceEstimate, draft: DraftCost, max_nodes: int | None = None,
-                 others: int = 0, times: StepTimes | None = None,
-                 min_gain: float = 1.0) -> Choice:
-    """The beam shape with the most expected tokens per second for this step (module docstring).
+def drafting_shapes(batch: int, max_width: int, max_length: int,
+                    target: StepCost | BatchStepCost, stats: AcceptanceEstimate, draft: DraftCost,
+                    max_nodes: int | None = None, others: int = 0,
+                    times: StepTimes | None = None) -> list[Choice]:
+    """Every beam shape this step could draft, with its expected tokens per second.
 
     ``batch`` requests may draft; ``others`` share the step with one token each (prefill chunks
     count their tokens). ``max_nodes``: the most draft nodes a request may verify. ``times``:
-    measured whole steps, scaling the model's seconds. ``min_gain``: a shape must beat the plain
-    step by this factor to be drafted.
+    measured whole steps, scaling the model's seconds.
     """
     n = batch + others
-
-    def scale(width: int, length: int) -> float:
-        return times.correction(n, width, length) if times is not None else 1.0
-
-    plain = target(n, n)
-    plain_rate = n / (plain * scale(0, 0))
-    best = Choice(0, 0, plain_rate, plain)
     widths = candidate_widths(max_width)
+    shapes = []
     for width in widths if batch else ():
         for length in range(2, max_length + 1):
             packed = stats.packed(width, length)
@@ -370,10 +369,35 @@ def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost |
                 continue
             seconds = target(batch * packed + others, n) + draft(batch, width, length)
             tokens = batch * stats.tokens_per_step(width, length, widths) + others
-            rate = tokens / (seconds * scale(width, length))
-            if rate > max(best.tokens_per_second, plain_rate * min_gain):
-                best = Choice(width, length, rate, seconds)
-    return best
+            scale = times.correction(n, width, length) if times is not None else 1.0
+            shapes.append(Choice(width, length, tokens / (seconds * scale), seconds))
+    return shapes
+
+
+def plain_step(n: int, target: StepCost | BatchStepCost, times: StepTimes | None = None) -> Choice:
+    """A step of ``n`` requests without drafts, with its tokens per second."""
+    seconds = target(n, n)
+    scale = times.correction(n, 0, 0) if times is not None else 1.0
+    return Choice(0, 0, n / (seconds * scale), seconds)
+
+
+def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost | BatchStepCost,
+                 stats: AcceptanceEstimate, draft: DraftCost, max_nodes: int | None = None,
+                 others: int = 0, times: StepTimes | None = None,
+                 min_gain: float = 1.0) -> Choice:
+    """The beam shape with the most expected tokens per second for this step (module docstring);
+    arguments as :func:`drafting_shapes`."""
+    return best_of(plain_step(batch + others, target, times),
+                   drafting_shapes(batch, max_width, max_length, target, stats, draft, max_nodes,
+                                   others, times), min_gain)
+
+
+def best_of(plain: Choice, shapes: Sequence[Choice], min_gain: float = 1.0) -> Choice:
+    """The fastest drafting shape if it beats the plain step by the factor ``min_gain``, else
+    the plain step."""
+    best = max(shapes, key=lambda c: c.tokens_per_second, default=None)
+    bar = plain.tokens_per_second * max(1.0, min_gain)
+    return best if best is not None and best.tokens_per_second > bar else plain
 
 
 class BeamPolicy:
@@ -384,11 +408,19 @@ class BeamPolicy:
     """
 
     def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
-                 plain_every: int | None = 32, min_gain: float = 1.05) -> None:
+                 plain_every: int | None = 32, min_gain: float = 1.05,
+                 probe_every: int | None = 64, probe_floor: float = 0.8) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats = {kind: AcceptanceStats() for kind in KINDS}
         self.draft, self.times = DraftCost(), StepTimes()
         self.plain_every = plain_every  # a plain step at least this often (None: never forced)
+        # While plain steps win on the model, a shape it predicts losing by less than
+        # ``1 - probe_floor``, but that no step has timed at this batch size (nor a smaller one),
+        # is drafted once in ``probe_every`` steps: a curve that overprices drafting is otherwise
+        # never found out, since only steps taken correct it. Each such shape costs a few steps.
+        self.probe_every, self.probe_floor = probe_every, probe_floor
+        self._since_probe: dict[int, int] = {}  # bucket -> plain steps since its last probe
+        self._probing: dict[int, tuple[int, int]] = {}  # bucket -> a probe's shape, to repeat
         # Drafting must promise this much more than a plain step: the model is measured, but
         # with noise (on a shared 2-core CPU whole steps swing 10-20%), and a shape that merely
         # ties costs more than it gains when it errs; where trees pay, they pay far more.
@@ -425,8 +457,12 @@ class BeamPolicy:
         batch, n = len(kinds), len(kinds) + others
         mix = BatchAcceptance(tuple((self.stats[kind], kinds.count(kind) / max(batch, 1))
                                     for kind in KINDS if kind in kinds))
-        choice = choose_shape(batch, self.max_width, self.max_length, self.target, mix,
-                              self.draft, max_nodes, others, self.times, self.min_gain)
+        plain = plain_step(n, self.target, self.times)
+        shapes = drafting_shapes(batch, self.max_width, self.max_length, self.target, mix,
+                                 self.draft, max_nodes, others, self.times)
+        choice = best_of(plain, shapes, self.min_gain)
+        if not choice.width:
+            choice = self._probe(n, plain, shapes) or choice
         every = self.plain_every
         since = self._since_plain.get(bucket(n), (every or 2) - 2)  # a bucket's 2nd step: plain
         if every and choice.width and since + 1 >= every:
@@ -435,6 +471,27 @@ class BeamPolicy:
         if self._open is not None:
             self._open = (*self._open[:2], choice)
         return choice
+
+    def _probe(self, n: int, plain: Choice, shapes: Sequence[Choice]) -> Choice | None:
+        """The untimed shape to draft in place of a plain step, when one is due (see __init__).
+
+        A probe is two steps in a row: a shape's first timed step is warm-up (StepTimes)."""
+        b = bucket(n)
+        pending = self._probing.pop(b, None)
+        if pending is not None:
+            return next((c for c in shapes if (c.width, c.length) == pending), None)
+        since = self._since_probe.get(b, 0) + 1
+        self._since_probe[b] = since
+        if not self.probe_every or since < self.probe_every:
+            return None
+        untimed = [c for c in shapes if not self.times.measured(n, c.width, c.length)
+                   and c.tokens_per_second >= self.probe_floor * plain.tokens_per_second]
+        if not untimed:
+            return None
+        probe = max(untimed, key=lambda c: c.tokens_per_second)
+        self._since_probe[b] = 0
+        self._probing[b] = (probe.width, probe.length)
+        return probe
 
 
 def cpu_isa() -> str:

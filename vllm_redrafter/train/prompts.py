@@ -133,6 +133,12 @@ SELF_INSTRUCT = [
     "Write one question that a curious person might ask an AI assistant about {topic}. Reply with the question only.",
     "Write a request that someone could give an AI assistant, about {topic}. Reply with the request only.",
     "Write a short homework question about {topic}. Reply with the question only.",
+    "Write a creative writing request about {topic} that someone could give an AI assistant. Reply with the request only.",
+    "Write a request asking an AI assistant to play a {role} and talk about {topic}. Reply with the request only.",
+    "Write a math word problem about {topic}. Reply with the problem only.",
+    "Write a question about {topic} that needs careful step-by-step reasoning. Reply with the question only.",
+    "Write a programming task in {lang} that has to do with {topic}. Reply with the task only.",
+    "Write a question a student of history or philosophy might ask about {topic}. Reply with the question only.",
 ]
 STDLIB_MODULES = [
     "json", "os", "re", "collections", "itertools", "functools", "string", "textwrap", "datetime", "math",
@@ -229,7 +235,8 @@ def text_prompts(n: int, seed: int) -> list[str]:
 def self_instruct_requests(n: int, seed: int) -> list[str]:
     """Meta-prompts asking the target to write a user question (answers become prompts)."""
     rng = random.Random(seed + 2)
-    return [rng.choice(SELF_INSTRUCT).format(topic=rng.choice(TOPICS)) for _ in range(n)]
+    return [rng.choice(SELF_INSTRUCT).format(topic=rng.choice(TOPICS), role=rng.choice(ROLES),
+                                             lang=rng.choice(LANGUAGES)) for _ in range(n)]
 
 
 SURNAMES = ["Smith", "Garcia", "Chen", "Okafor", "Novak", "Kumar", "Rossi", "Tanaka", "Dubois",
