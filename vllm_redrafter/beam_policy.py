@@ -416,8 +416,9 @@ class BeamPolicy:
         self.plain_every = plain_every  # a plain step at least this often (None: never forced)
         # While plain steps win on the model, a shape it predicts losing by less than
         # ``1 - probe_floor``, but that no step has timed at this batch size (nor a smaller one),
-        # is drafted once in ``probe_every`` steps: a curve that overprices drafting is otherwise
-        # never found out, since only steps taken correct it. Each such shape costs a few steps.
+        # is drafted for two steps in a row once in ``probe_every`` plain steps: a curve that
+        # overprices drafting is otherwise never found out, since only steps taken correct it.
+        # Each such shape costs a few steps, at most 1 - probe_floor of a step's time each.
         self.probe_every, self.probe_floor = probe_every, probe_floor
         self._since_probe: dict[int, int] = {}  # bucket -> plain steps since its last probe
         self._probing: dict[int, tuple[int, int]] = {}  # bucket -> a probe's shape, to repeat

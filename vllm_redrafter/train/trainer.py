@@ -14,8 +14,9 @@ order: epoch e's order is a permutation seeded by (seed, e)) and the RNG states 
 written atomically. A killed run restarted with the same settings resumes there and ends with the
 same weights as an uninterrupted run.
 
-Defaults: float32 on a CPU (bf16 matmuls can be 30x slower on AVX2 CPUs, ../shared/CPU_COSTS.md),
-bf16 autocast with fp32 master weights on a GPU.
+Defaults: bf16 autocast with fp32 master weights on a GPU and on CPUs with AMX (bf16 tiles: 3x
+faster than float32 there); float32 on other CPUs (bf16 matmuls can be 30x slower on AVX2 CPUs,
+../shared/CPU_COSTS.md).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class TrainConfig:
     eval_batch_size: int = 2048
     eval_max_positions: int = 50_000
     device: str = "auto"  # auto: cuda when available
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 autocast on CUDA
+    dtype: str = "auto"  # auto: bfloat16 autocast on CUDA and AMX CPUs, else float32
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -65,10 +66,18 @@ class TrainConfig:
     def autocast_dtype(self, device: torch.device) -> torch.dtype | None:
         name = self.dtype
         if name == "auto":
-            name = "bfloat16" if device.type == "cuda" else "float32"
+            name = "bfloat16" if device.type == "cuda" or cpu_has_amx_bf16() else "float32"
         if name not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
         return None if name == "float32" else getattr(torch, name)
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in AMX tiles. Measured on a 2-core Xeon with
+    AMX: the drafter head's GEMM (5120 x 1152 by 1152 x 6144) forward and backward in 0.36 s
+    under bf16 autocast, 1.06 s in float32; on AVX2 CPUs bf16 is up to 30x slower instead."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.is_file() and " amx_bf16" in cpuinfo.read_text()
 
 
 @dataclass
