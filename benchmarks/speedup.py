@@ -13,7 +13,7 @@ Prints tables and writes JSON (``--out``). Prompts: ../shared/data/mt_bench_ques
 (first turns, chat template) or any file in that format (``--prompts``).
 
     python benchmarks/speedup.py --drafter DIR [--num-prompts 20] [--max-tokens 64]
-        [--beam-width 1 --beam-length 3] [--beam-policy fixed|auto]
+        [--beam-width 1 --beam-length 3] [--beam-policy fixed|auto] [--step-cost CURVE.json]
         [--out benchmarks/results/speedup.json]
 
 The default shape, a chain of 2 drafts, is the fastest measured at batch 1 on a 2-core CPU
@@ -77,6 +77,8 @@ def interleaved(target: str, spec: dict, prompts: list[list[int]], max_tokens: i
             "speedup": rate["redrafter"] / rate["alone"],
             "alone_seconds_per_token": seconds["alone"] / tokens["alone"],
             "tokens_per_step": 1 + accepted / drafts if drafts else None,
+            # each engine step emits 1 + its accepted drafts (the prefill step counts as one)
+            "drafted_step_fraction": drafts / (tokens["redrafter"] - accepted),
             "acceptance_per_position": [a / drafts for a in per_pos] if drafts else [],
             "tokens": tokens,
         }
@@ -120,11 +122,12 @@ def time_split(target: str, spec: dict, prompts: list[list[int]], max_tokens: in
 def print_tables(results: dict, split: dict, spec: dict) -> None:
     print(f"\nbatch 1, W={spec['beam_width']} L={spec['beam_length']}")
     print(f"{'mode':8}{'alone tok/s':>13}{'redrafter tok/s':>17}{'speedup':>9}{'tok/step':>10}"
-          "  acceptance by position")
+          f"{'drafted':>9}  acceptance by position")
     for mode, r in results.items():
         accept = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"][:6])
         print(f"{mode:8}{r['alone_tokens_per_s']:>13.1f}{r['redrafter_tokens_per_s']:>17.1f}"
-              f"{r['speedup']:>8.2f}x{(r['tokens_per_step'] or 1.0):>10.2f}  {accept}")
+              f"{r['speedup']:>8.2f}x{(r['tokens_per_step'] or 1.0):>10.2f}"
+              f"{r['drafted_step_fraction']:>9.0%}  {accept}")
     timings = split["timings"]
     steps = max(timings.get("accept", {}).get("calls", 0), 1)
     plain_ms = results["greedy"]["alone_seconds_per_token"] * 1e3
@@ -147,6 +150,8 @@ def main() -> None:
     parser.add_argument("--beam-width", type=int, default=1)
     parser.add_argument("--beam-length", type=int, default=3)
     parser.add_argument("--beam-policy", default="fixed", choices=("fixed", "auto"))
+    parser.add_argument("--step-cost", type=Path, default=None,
+                        help="the policy's step-cost curve (default: this machine's cached one)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speedup.json")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -169,6 +174,8 @@ def main() -> None:
     spec = {"method": "redrafter", "model": str(args.drafter.resolve()),
             "beam_width": args.beam_width, "beam_length": args.beam_length,
             "beam_policy": args.beam_policy}
+    if args.step_cost:
+        spec["step_cost"] = str(args.step_cost.resolve())
     results = interleaved(target, spec, prompts, args.max_tokens)
     split = time_split(target, spec, prompts, args.max_tokens)
     print_tables(results, split, spec)
