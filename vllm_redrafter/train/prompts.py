@@ -9,9 +9,10 @@ reads the MT-Bench questions (``../shared/data``: the evaluation set). Three sou
 2. English text shipped with installed packages: Python standard-library docstrings and the
    licence files in ``site-packages``, used as material for summarise / explain / rewrite
    requests (:func:`local_paragraphs`).
-3. Self-instruct: the target itself writes user questions about a topic (:func:`self_instruct_requests`),
-   sampled with a per-request seed so the questions are reproducible; they are then answered like
-   the others.
+3. Self-instruct: the target itself writes user questions about a topic, for several kinds of
+   task (questions, requests, creative writing, role play, math word problems, reasoning,
+   programming, humanities; :func:`self_instruct_requests`), sampled reproducibly; they are then
+   answered like the others.
 4. Documents: small synthetic records (people, products, reviews, reports, schedules) and local
    paragraphs, each with a request to extract, tabulate, classify or answer from it, often in a
    set format such as JSON (:func:`document_prompts`): the answers copy from their context.
