@@ -380,3 +380,59 @@ def test_quick_data_with_vllm_is_the_targets_own_greedy_text(tmp_path, prompts_f
     losses = record["train_losses_every_10"]
     assert record["final_train_loss"] < losses[0]
     RecurrentDrafter.from_pretrained(tmp_path / "out", target_hidden_size=576, target_vocab_size=49152)
+
+
+# -- soft labels -------------------------------------------------------------------------------------
+
+
+def test_soft_labels_are_the_targets_own_logits_at_each_label(shared_data_dir, target_dir):
+    """Each label's soft target is the target model's distribution where it produced that label
+    (checked against a transformers forward of the target), and every in-response label has one."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_redrafter.train.distill import load_data
+    from vllm_redrafter.train.soft_labels import soft_label_index, teacher_logits
+
+    data = load_data(shared_data_dir)
+    index = soft_label_index(data)
+    assert torch.equal(index >= 0, data.labels >= 0)  # labels=self: every label has its position
+    rows = index[index >= 0]
+    assert torch.equal(data.g0[rows], data.labels[data.labels >= 0])
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    head = model.get_output_embeddings().weight.detach()
+    sequences = [json.loads(line) for line in (shared_data_dir / "sequences.jsonl").read_text().splitlines()]
+    i, k = int(torch.nonzero(data.sequence == data.sequence[0]).max()) - T, 3  # late in sequence 0
+    logits, valid = teacher_logits(data, index[i: i + 1], head)
+    assert bool(valid.all())
+    t = int(data.t[i]) + k + 1  # label k (from 0) is the token the target produced at t + k + 1
+    with torch.no_grad():
+        expected = model(torch.tensor([sequences[int(data.sequence[i])][: t + 1]])).logits[0, t]
+    torch.testing.assert_close(logits[0, k], expected, atol=0.05, rtol=0.01)  # h stored in fp16
+
+
+def test_training_with_soft_labels(tmp_path, prompts_file, target_dir, shared_data_dir):
+    recipe = small_recipe(prompts_file, max_steps=20, save_every=10, soft_label_weight=0.5)
+    record = run_training(recipe, target_dir, tmp_path / "soft", data_dir=shared_data_dir,
+                          generator=never_generate)
+    losses = record["train_losses_every_10"]
+    assert record["finished"] and record["final_train_loss"] < 0.7 * losses[0], losses
+    assert record["eval"]["top1"][0] > 0.3
+
+
+def test_soft_labels_refuse_distill_labels(tmp_path, target_dir):
+    """labels=distill continues the target's generation, not the text h was computed on."""
+    from vllm_redrafter.train.trainer import TrainConfig
+
+    text = tmp_path / "t.jsonl"
+    text.write_text(json.dumps({"input_ids": list(range(300, 340))}) + "\n")
+
+    def continuation(requests, name):
+        return [[r.prompt_token_ids[-1] + 7 + i for i in range(r.max_tokens)] for r in requests]
+
+    recipe = with_overrides(get_recipe("quick"),
+                            data=dict(dataset=str(text), labels="distill", heldout_fraction=0.0),
+                            train=dict(max_steps=2, soft_label_weight=0.5))
+    with pytest.raises(ValueError, match="labels=distill"):
+        run_training(recipe, target_dir, tmp_path / "out", generator=continuation)
+    with pytest.raises(ValueError, match="soft_label_weight"):
+        TrainConfig(soft_label_weight=1.5)

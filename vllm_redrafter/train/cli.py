@@ -49,6 +49,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None, help="positions per step")
     p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--soft-label-weight", type=float, default=None,
+                   help="w in (1-w) CE + w KL(target || drafter): learn the target's whole "
+                        "distribution at each label, not only its argmax (labels=self or ground-truth)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save-every", type=int, default=None, help="steps between checkpoints")
     p.add_argument("--device", default=None, help="auto | cpu | cuda[:i]")
@@ -77,7 +80,7 @@ def recipe_from_args(args: argparse.Namespace):
                      draft_vocab_size=None if vocab in (None, "full") else _positive_int(vocab)),
         train=dict(epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
                    lr=args.lr, seed=args.seed, save_every=args.save_every, device=args.device,
-                   dtype=args.dtype),
+                   dtype=args.dtype, soft_label_weight=args.soft_label_weight),
         save_dtype=args.save_dtype,
     )
     if vocab == "full":

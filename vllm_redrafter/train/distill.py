@@ -92,6 +92,7 @@ class DistillData:
     heldout: torch.Tensor  # [N] bool: position belongs to the held-out split
     token_counts: torch.Tensor  # [V] long: every token of the training sequences (for vocab.py)
     meta: dict
+    t: torch.Tensor | None = None  # [N] long: the position's index in its sequence
 
     @property
     def num_positions(self) -> int:
@@ -406,7 +407,8 @@ def load_data(data_dir: str | Path) -> DistillData:
     h = np.memmap(data_dir / H_FILE, dtype=np.float16, mode="r",
                   shape=(meta["num_positions"], meta["hidden_size"]))
     return DistillData(h=h, g0=arrays["g0"], labels=arrays["labels"], sequence=arrays["sequence"],
-                       heldout=arrays["heldout"], token_counts=arrays["token_counts"], meta=meta)
+                       heldout=arrays["heldout"], token_counts=arrays["token_counts"], meta=meta,
+                       t=arrays.get("t"))
 
 
 def _jsonable(obj):

@@ -52,6 +52,8 @@ def run_fingerprint(recipe: Recipe, target_dir: Path) -> str:
     train = asdict(recipe.train)
     for key in ("save_every", "eval_batch_size", "eval_max_positions", "device"):
         train.pop(key)
+    if train["soft_label_weight"] == 0.0:  # off: the fingerprint of runs from before the option
+        train.pop("soft_label_weight")
     blob = json.dumps({"data": data_fingerprint(recipe.data, target_dir),
                        "drafter": asdict(recipe.drafter), "train": train}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -156,12 +158,19 @@ def build_drafter(spec: DrafterSpec, target_dir: Path, embedding: nn.Embedding,
     if draft_ids is not None:
         drafter.draft_vocab_ids.copy_(draft_ids)
     if spec.head_init == "target" and not config.uses_input_proj:
-        lm_head = load_target_weight(target_dir, ("lm_head.weight",))
-        lm_head = embedding.weight if lm_head is None else lm_head.float()  # tied embeddings
-        rows = lm_head if draft_ids is None else lm_head[draft_ids]  # [K, H]
         with torch.no_grad():
-            drafter.lm_head[-1].weight[:, :hidden].copy_(rows)
+            drafter.lm_head[-1].weight[:, :hidden].copy_(target_head_rows(target_dir, embedding,
+                                                                          draft_ids))
     return drafter
+
+
+def target_head_rows(target_dir: Path, embedding: nn.Embedding,
+                     draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """The target's LM-head rows of the draft tokens [K, H] (all V rows without a reduced
+    vocabulary), float32; the input embedding where the target ties them."""
+    lm_head = load_target_weight(target_dir, ("lm_head.weight",))
+    lm_head = embedding.weight if lm_head is None else lm_head.float()
+    return (lm_head if draft_ids is None else lm_head[draft_ids.to(lm_head.device)]).detach()
 
 
 def choose_draft_vocab(data: DistillData, spec: DrafterSpec, eos_token_id: int | None) -> torch.Tensor | None:
@@ -203,8 +212,10 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
     draft_ids = choose_draft_vocab(data, recipe.drafter, eos)
     embedding = load_target_embedding(target_dir).to(device)
     drafter = build_drafter(recipe.drafter, target_dir, embedding, draft_ids, train.seed)
+    teacher_head = (target_head_rows(target_dir, embedding, draft_ids)
+                    if train.soft_label_weight > 0 else None)
     state = train_loop(drafter, data, train, output_dir / WORK / CHECKPOINT, fingerprint,
-                       stop_after_steps)
+                       stop_after_steps, teacher_head)
     record = {"recipe": recipe.name, "command": sys.argv, "target": identity,
               "fingerprint": fingerprint, "steps_done": state.step,
               "train_seconds_this_session": round(state.seconds, 1),

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from vllm_redrafter.drafter import RecurrentDrafter
 from vllm_redrafter.train.distill import DistillData
+from vllm_redrafter.train.soft_labels import soft_label_index, soft_label_loss, teacher_logits
 from vllm_redrafter.train.vocab import target_to_draft_map
 
 IGNORE = -100
@@ -57,6 +58,13 @@ class TrainConfig:
     eval_max_positions: int = 50_000
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: bfloat16 autocast on CUDA and AMX CPUs, else float32
+    # loss = (1 - w) CE(hard labels) + w KL(the target's distribution || the drafter's), w > 0
+    # with labels=self or ground-truth (soft_labels.py)
+    soft_label_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.soft_label_weight <= 1.0:
+            raise ValueError(f"soft_label_weight must be in [0, 1], got {self.soft_label_weight}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -259,11 +267,14 @@ def make_optimizer(drafter: nn.Module, config: TrainConfig) -> torch.optim.Optim
 
 
 def train_loop(drafter: RecurrentDrafter, data: DistillData, config: TrainConfig,
-               checkpoint: Path, fingerprint: str, stop_after_steps: int | None = None) -> TrainState:
+               checkpoint: Path, fingerprint: str, stop_after_steps: int | None = None,
+               teacher_head: Tensor | None = None) -> TrainState:
     """Train from the checkpoint (if any) to the last step; returns the state at exit.
 
     ``stop_after_steps`` stops early (after saving a checkpoint) once that many steps are done:
     what a killed run leaves behind, for tests and for splitting a long run into sessions.
+    ``teacher_head``: the target's LM-head rows of the draft tokens [K, H], needed when
+    ``config.soft_label_weight`` > 0.
     """
     device = config.resolved_device()
     drafter.to(device).train()
@@ -281,16 +292,22 @@ def train_loop(drafter: RecurrentDrafter, data: DistillData, config: TrainConfig
                                  else torch.arange(drafter.config.vocab_size),
                                  drafter.config.vocab_size).to(device)
     autocast = config.autocast_dtype(device)
+    soft = _soft_labels(data, config, teacher_head, device)
     end = total if stop_after_steps is None else min(total, stop_after_steps)
     bar = tqdm(range(state.step, end), desc="training", unit="step", initial=state.step, total=total)
     started = time.time()
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step, total)
-        h, g0, labels = gather(data, order.batch(step), device)
+        batch = order.batch(step)
+        h, g0, labels = gather(data, batch, device)
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
             logits = teacher_forced_logits(drafter, h, g0, labels)
+            teacher = None if soft is None else teacher_logits(data, soft[0][batch], soft[1])
         loss, _ = distill_loss(logits, _draft_labels(labels, lookup))
+        if teacher is not None:
+            w = config.soft_label_weight
+            loss = (1 - w) * loss + w * soft_label_loss(logits, *teacher)[0]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if config.grad_clip:
@@ -304,6 +321,16 @@ def train_loop(drafter: RecurrentDrafter, data: DistillData, config: TrainConfig
     bar.close()
     state.seconds = time.time() - started
     return state
+
+
+def _soft_labels(data: DistillData, config: TrainConfig, teacher_head: Tensor | None,
+                 device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """(soft-label index [N, T], teacher head on ``device``), or None with hard labels only."""
+    if config.soft_label_weight == 0.0:
+        return None
+    if teacher_head is None:
+        raise ValueError("soft_label_weight > 0 needs the target's LM head (teacher_head)")
+    return soft_label_index(data), teacher_head.to(device)
 
 
 def write_json(path: Path, obj: dict) -> None:
