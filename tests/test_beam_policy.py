@@ -392,3 +392,14 @@ def test_step_cost_cache_is_per_cpu_isa_and_thread_count(monkeypatch):
     assert len(paths) == 4
     gpu = {beam_policy.step_cost_path("model", "torch.bfloat16", "NVIDIA H100", t) for t in (1, 8)}
     assert len(gpu) == 1  # on a GPU the host's threads do not set the step's cost
+
+
+def test_cpu_isa_names_the_widest_matrix_unit(monkeypatch):
+    from vllm_redrafter import cpu_features
+
+    for flags, isa in (({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, "amx_bf16"),
+                       ({"avx2", "avx512f", "avx512_bf16"}, "avx512_bf16"), ({"avx2"}, "avx2"),
+                       (set(), "")):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu_features.cpu_isa() == isa
+    assert cpu_features.has_amx_bf16() is False

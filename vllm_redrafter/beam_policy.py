@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from vllm_redrafter.cpu_features import cpu_isa
 from vllm_redrafter.sampling import SAMPLING_EPS
 
 KINDS = ("greedy", "sampled")
@@ -493,13 +494,6 @@ class BeamPolicy:
         self._since_probe[b] = 0
         self._probing[b] = (probe.width, probe.length)
         return probe
-
-
-def cpu_isa() -> str:
-    """The widest vector ISA this CPU reports (``avx512_bf16``, ``avx512f``, ``avx2``), or ""."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    return next((f for f in ("avx512_bf16", "avx512f", "avx2") if f" {f}" in flags), "")
 
 
 def step_cost_path(model: str, dtype: str, device: str, threads: int) -> Path:

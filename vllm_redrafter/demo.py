@@ -75,7 +75,7 @@ def machine() -> str:
 
     import torch
 
-    from vllm_redrafter.beam_policy import cpu_isa
+    from vllm_redrafter.cpu_features import cpu_isa
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
