@@ -63,11 +63,11 @@ def main() -> None:
                               args.max_new_tokens, model_and_tokenizer=target_model)
         row = {"soft_label_weight": weight, "positions": record["data"]["num_positions"],
                "train_seconds": record.get("train_seconds_this_session"),
-               "steps": record.get("steps_done"), "heldout_top1": record["eval"]["top1"], **stats}
+               "train_steps": record.get("steps_done"), "heldout_top1": record["eval"]["top1"], **stats}
         rows.append(row)
         print(json.dumps(row), flush=True)
         result = {"command": " ".join(sys.argv), "machine": machine(), "recipe": recipe.name,
-                  "steps": record.get("steps_done"), "prompts": len(prompts),
+                  "train_steps": record.get("steps_done"), "prompts": len(prompts),
                   "max_new_tokens": args.max_new_tokens, "rows": rows}
         (args.out / "soft_vs_hard_labels.json").write_text(json.dumps(result, indent=1))
     print(f"\n{'weight':>6} {'positions':>9} {'top1@1':>7} {'top1@3':>7} {'tok/step':>9}")

@@ -8,13 +8,13 @@ stored hidden states: no extra target forward, no extra data. The trainer adds
     soft_loss = sum_k mean_positions KL(p_target(. | h_{t+k}) restricted to the K draft tokens
                                         || q_drafter(. | h_t, s_k))
 
-to the hard CE with weight ``soft_label_weight`` (loss = (1 - w) CE + w KL). The hard label is
-the teacher's argmax, so the two agree on what to rank first; the KL adds how the target ranks
-the rest, which the beam search's other W - 1 beams draw on. A label has a soft target where
-position t+k is there and holds y_k as its root (same sequence, t+k, same token). The same holds
-for ``labels=ground-truth`` (the labels are the text's next tokens: classic distillation on a
-text); with ``labels=distill`` the labels continue the target's own generation, not the text, so
-the text's next positions read another prefix and there are no soft labels.
+to the hard CE with weight ``soft_label_weight`` (loss = (1 - w) CE + w KL). With labels=self
+the hard label is the teacher's argmax, so the two agree on what to rank first; the KL adds how
+the target ranks the rest, which the beam search's other W - 1 beams draw on. A label has a soft
+target where position t+k is there and holds y_k as its root (same sequence, t+k, same token).
+The same holds for ``labels=ground-truth`` (the labels are the text's next tokens: classic
+distillation on a text); with ``labels=distill`` the labels continue the target's own generation,
+not the text, so the text's next positions read another prefix and there are no soft labels.
 """
 
 from __future__ import annotations
