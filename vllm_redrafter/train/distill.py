@@ -98,6 +98,11 @@ class DistillData:
     def num_positions(self) -> int:
         return int(self.g0.numel())
 
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """h of the positions ``idx`` (any shape) as float32 [*idx.shape, H], from the map."""
+        rows = np.ascontiguousarray(self.h[idx.reshape(-1).numpy()])
+        return torch.from_numpy(rows).float().view(*idx.shape, rows.shape[-1])
+
 
 @dataclass
 class _Positions:

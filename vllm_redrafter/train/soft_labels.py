@@ -19,7 +19,6 @@ not the text, so the text's next positions read another prefix and there are no 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -53,11 +52,8 @@ def teacher_logits(data: DistillData, rows: Tensor, head: Tensor) -> tuple[Tenso
     """The target's logits over the draft vocabulary [B, T, K] at ``rows`` [B, T] (from
     :func:`soft_label_index`), and where they exist [B, T]. ``head``: the target's LM-head rows of
     the K draft tokens [K, H], on the device to compute on."""
-    valid = rows >= 0
-    flat = rows.clamp(min=0).reshape(-1).numpy()
-    h = torch.from_numpy(np.ascontiguousarray(data.h[flat])).to(head.device, head.dtype)
-    logits = (h @ head.T).view(*rows.shape, head.shape[0])
-    return logits, valid.to(head.device)
+    h = data.hidden(rows.clamp(min=0)).to(head.device, head.dtype)  # [B, T, H]
+    return h @ head.T, (rows >= 0).to(head.device)
 
 
 def soft_label_loss(logits: Tensor, teacher: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:

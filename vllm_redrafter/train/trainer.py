@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -127,8 +126,7 @@ class BatchOrder:
 
 def gather(data: DistillData, idx: Tensor, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """h [B, H] float32, g0 [B], labels [B, T] for positions ``idx``."""
-    h = torch.from_numpy(np.ascontiguousarray(data.h[idx.numpy()])).float()
-    return h.to(device), data.g0[idx].to(device), data.labels[idx].to(device)
+    return data.hidden(idx).to(device), data.g0[idx].to(device), data.labels[idx].to(device)
 
 
 def teacher_forced_logits(drafter: RecurrentDrafter, h: Tensor, g0: Tensor, labels: Tensor) -> Tensor:
