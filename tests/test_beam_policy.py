@@ -14,6 +14,7 @@ from vllm_redrafter.beam_policy import (
     BatchStepCost,
     BeamPolicy,
     DraftCost,
+    JoinCost,
     StepCost,
     StepTimes,
     acceptance_kind,
@@ -352,6 +353,57 @@ def test_only_decode_steps_of_an_unchanged_batch_are_timed():
     step(["a"], 14.5, choose=False)  # timed: 2.5 s
     assert policy.times.warmed == {(2, 1, 2), (1, 1, 2)}
     assert policy.times.ratio == {(1, 1, 2): pytest.approx(2.5 / last.seconds)}
+
+
+def test_join_cost_is_the_others_prefills_per_output_token():
+    joins = JoinCost(decay=1.0)
+    assert joins.tpot_share(8, 0.06) == 0.0  # nothing measured yet
+    for _ in range(4):
+        joins.observe_prefill(1, 0.080)
+        joins.observe_finished(64)
+    joins.observe_prefill(0, 0.0)  # a later prefill chunk of nothing: no new join
+    assert joins.tpot_share(8, 0.06) == pytest.approx(7 * 0.080 / (64 * 0.06))
+    assert joins.tpot_share(1, 0.06) == 0.0  # one request: nobody else's prefill in its time
+    assert joins.tpot_share(64, 0.06) == 0.5  # capped
+
+
+def test_steps_with_prefill_measure_the_join_cost_and_finished_requests_their_length():
+    """Plain steps cost what the curve says (10 ms); a step in which request c joined took 90 ms:
+    80 ms of prefill beyond the decode of a and b. b leaves after emitting 2 tokens."""
+    policy = BeamPolicy(StepCost((1, 64), (0.010, 0.010001)), max_width=1, max_length=2,
+                        min_gain=100.0)  # never drafts
+
+    def step(ids: list[str], now: float, emitted: list[int]):
+        policy.step(ids, prefilling=False, now=now, emitted=emitted)
+        policy.choose(["greedy"] * len(ids), max_nodes=8)
+
+    step(["a", "b"], 0.0, [1, 1])
+    step(["a", "b", "c"], 0.090, [1, 1, 1])  # c joined
+    step(["a", "c"], 0.100, [1, 1])  # b left, after the 2 tokens of the first two calls
+    assert policy.joins.extra / policy.joins.joins == pytest.approx(0.080)
+    assert policy.joins.tokens / policy.joins.finished == 2
+
+
+def test_drafting_that_gains_less_than_lockstep_costs_is_left_off():
+    """The curve (the machine's true cost) makes W=1 L=3 drafts 1.36x a plain step's tokens/s
+    alone, 1.17x in pairs, 1.15x at batch 8. With 40 ms of prefill per joining request and
+    64-token answers, breaking the batch's lockstep costs each request the other requests'
+    prefills: 0.05 of a plain step per token in pairs, 0.22 at batch 8, more than drafting wins
+    there. The policy drafts alone and in pairs, not at batch 8."""
+    cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
+
+    def drafted(batch: int) -> float:
+        policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None)
+        for _ in range(10):
+            policy.joins.observe_prefill(1, 0.040)
+            policy.joins.observe_finished(64)
+        true = lambda width, length: cost(batch * (1 + width * (length - 1)))  # noqa: E731
+        log = run_engine(policy, true, true_p=0.5, steps=1500, batch=batch)[-500:]
+        return sum(width > 0 for width, *_ in log) / len(log)
+
+    assert drafted(1) > 0.9
+    assert drafted(2) > 0.9
+    assert drafted(8) < 0.02
 
 
 def test_step_times_skip_warm_up_and_clip_outliers():

@@ -87,6 +87,8 @@ def test_explicit_num_speculative_tokens_is_kept(drafter_dir):
          "one of 'exact', 'rejection', 'typical', got 'greedy'"),
         ({"beam_policy": "dynamic"}, "beam_policy", "one of 'auto', 'fixed', got 'dynamic'"),
         ({"step_cost": "/nowhere/curve.json"}, "step_cost", "no such file"),
+        ({"min_gain": 0.9}, "min_gain", "a number in [1.0, 10.0], got 0.9"),
+        ({"min_gain": "1.2"}, "min_gain", "a number in [1.0, 10.0], got '1.2'"),
     ],
 )
 def test_bad_values_name_the_field_and_the_allowed_range(drafter_dir, overrides, field, allowed):
@@ -94,6 +96,13 @@ def test_bad_values_name_the_field_and_the_allowed_range(drafter_dir, overrides,
         validate_settings(spec(drafter_dir, **overrides), H, V)
     assert f"speculative_config['{field}']" in str(err.value)
     assert allowed in str(err.value)
+
+
+def test_min_gain_reaches_the_settings(drafter_dir):
+    out = rewrite_speculative_config(spec(drafter_dir, min_gain=1.2), H, V)
+    assert "min_gain" not in out  # ours, not vLLM's
+    settings = settings_from_extra_config(out["draft_load_config"]["model_loader_extra_config"])
+    assert settings.min_gain == 1.2
 
 
 def test_missing_drafter_dir(tmp_path):

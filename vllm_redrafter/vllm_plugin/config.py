@@ -4,7 +4,7 @@ A user writes one JSON object (DESIGN.md section 7)::
 
     {"method": "redrafter", "model": "DRAFTER_DIR",
      "beam_width": 8, "beam_length": 4, "verification": "exact", "beam_policy": "auto",
-     "num_speculative_tokens": 24, "step_cost": "CURVE.json"}
+     "num_speculative_tokens": 24, "step_cost": "CURVE.json", "min_gain": 1.05}
 
 vLLM 0.32.0 knows neither the method nor the extra keys, so :func:`rewrite_speculative_config`
 turns the object into one vLLM accepts: ``method: "custom_class"`` with ``model`` naming our
@@ -46,6 +46,9 @@ VERIFICATION_MODES = ("exact", "rejection", "typical")
 BEAM_POLICIES = ("auto", "fixed")
 DEFAULT_BEAM_WIDTH = 4
 DEFAULT_BEAM_LENGTH = 4
+DEFAULT_MIN_GAIN = 1.05
+"""The beam policy drafts a step only where it expects this many times a plain step's tokens/s
+(``BeamPolicy.min_gain``)."""
 MAX_SPECULATIVE_TOKENS = 128
 """vLLM's rejection sampler refuses more draft tokens per request (``MAX_SPEC_LEN``)."""
 
@@ -72,6 +75,7 @@ class ReDrafterSettings:
     verification: str = "exact"  # exact | rejection | typical (the last two: tree verification)
     beam_policy: str = "auto"  # auto: per-step shape up to (W, L) (beam_policy.py) | fixed
     step_cost: str | None = None  # the policy's step-cost curve (None: this machine's cached one)
+    min_gain: float = DEFAULT_MIN_GAIN  # the policy drafts where it expects this x a plain step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,7 +106,8 @@ def validate_settings(
     """The ReDrafter part of a ``speculative_config`` dict -> settings, or one clear error.
 
     Reads ``model`` (the drafter dir), ``beam_width``, ``beam_length``, ``verification``,
-    ``beam_policy``, ``step_cost`` and ``num_speculative_tokens``; other keys are ignored here. The drafter's
+    ``beam_policy``, ``step_cost``, ``min_gain`` and ``num_speculative_tokens``; other keys are
+    ignored here. The drafter's
     ``config.json`` is checked against the target's dims when they are given (no weights read).
     """
     W = _int_field("beam_width", raw.get("beam_width", DEFAULT_BEAM_WIDTH), low=1)
@@ -125,7 +130,8 @@ def validate_settings(
                 f"speculative_config['step_cost'] must be a step-cost JSON file "
                 f"(benchmarks/step_cost.py writes one), got {step_cost!r}: no such file")
         step_cost = str(Path(str(step_cost)).resolve())
-    return ReDrafterSettings(str(drafter_dir), W, L, N, verification, policy, step_cost)
+    min_gain = _float_field("min_gain", raw.get("min_gain", DEFAULT_MIN_GAIN), low=1.0, high=10.0)
+    return ReDrafterSettings(str(drafter_dir), W, L, N, verification, policy, step_cost, min_gain)
 
 
 def rewrite_speculative_config(
@@ -144,7 +150,7 @@ def rewrite_speculative_config(
     """
     settings = validate_settings(raw, target_hidden_size, target_vocab_size)
     ours = {"method", "model", "beam_width", "beam_length", "verification", "beam_policy",
-            "step_cost"}
+            "step_cost", "min_gain"}
     out = {key: value for key, value in raw.items() if key not in ours}
     if "draft_load_config" in out:
         raise ReDrafterConfigError(
@@ -235,6 +241,14 @@ def _int_field(
     if value < low or (high is not None and value > high):
         raise ReDrafterConfigError(f"{where}['{name}'] must be {allowed}, got {value}")
     return value
+
+
+def _float_field(name: str, value: Any, *, low: float, high: float,
+                 where: str = "speculative_config") -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ReDrafterConfigError(f"{where}['{name}'] must be a number in [{low}, {high}], "
+                                   f"got {value!r}")
+    return float(value)
 
 
 def _choice_field(

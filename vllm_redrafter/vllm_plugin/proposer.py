@@ -10,6 +10,11 @@ target's device, packs each request's W beams into its dynamic tree (``tree.py``
 packed nodes after the root as the request's draft list; it keeps each tree's shape
 (:attr:`ReDrafterProposer.trees`) for the verify step (``verifier.py``). W = 1 is a chain.
 
+Debug: with ``VLLM_REDRAFTER_STEP_LOG=FILE`` every step appends one JSON line to FILE (the time
+of the call, the requests and the tokens each emitted, the beam shape chosen and
+the policy's expected tokens/s for it and for a plain step): ``benchmarks/step_log.py`` turns it
+into realized tokens/s per batch size and shape, to set beside what the policy expected.
+
 A request whose features assume a chain (penalties, bad words, logit bias, allowed tokens,
 min_tokens still pending, structured output, logprobs) gets no drafts: vLLM samples it as without
 speculation (:func:`tree_eligible`). A step where the drafter raises or produces non-finite
@@ -19,7 +24,9 @@ scores proposes nothing for the requests concerned: no request fails.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,6 +113,7 @@ class ReDrafterProposer:
         self.allow_trees = True  # False: the attention backend cannot mask trees; chains only
         self.policy: BeamPolicy | None = None  # beam_policy "auto" with a measured step cost
         self.shapes: dict[str, tuple[int, int]] = {}  # req_id -> (W, L) of its tree this step
+        self.step_log = os.environ.get("VLLM_REDRAFTER_STEP_LOG") or None  # debug (module doc)
 
     # -- vLLM's proposer interface -------------------------------------------------------------
 
@@ -153,7 +161,8 @@ class ReDrafterProposer:
                         "benchmarks/step_cost.py measures it): fixed beam shape", path)
             return None
         logger.info("ReDrafter: beam policy on, step cost from %s", path)
-        return BeamPolicy(load_step_cost(path), self.settings.beam_width, self.settings.beam_length)
+        return BeamPolicy(load_step_cost(path), self.settings.beam_width, self.settings.beam_length,
+                          min_gain=self.settings.min_gain)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -171,9 +180,12 @@ class ReDrafterProposer:
         deeper than the tokens it may still emit, so every accepted token can reach the output.
         """
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        now = time.perf_counter()
         if self.policy is not None:
+            self.policy.last = None
             self.policy.step([r.req_id for r in requests],
-                             prefilling=not all(sampled_token_ids), now=time.perf_counter())
+                             prefilling=not all(sampled_token_ids), now=now,
+                             emitted=[len(tokens) for tokens in sampled_token_ids])
             self._observe_verified(sampled_token_ids, requests)
         self.trees, self.shapes = {}, {}
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
@@ -204,6 +216,8 @@ class ReDrafterProposer:
                     self.shapes[requests[i].req_id] = (shape.beam_width, shape.beam_length)
         if self.trace is not None:
             self._record(sampled_token_ids, hidden_states, requests, drafts)
+        if self.step_log is not None:
+            self._log_step(now, sampled_token_ids, requests, drafts)
         return drafts
 
     def _shapes(self, requests: Sequence[Any], cap: int,
@@ -307,6 +321,28 @@ class ReDrafterProposer:
                 "ReDrafter: the drafter %s; those requests get no drafts this step "
                 "(%d failed steps so far)", what, self.num_failed_steps, exc_info=exc_info,
             )
+
+    def _log_step(self, now: float, sampled_token_ids: list[list[int]],
+                  requests: Sequence[Any], drafts: list[list[int]]) -> None:
+        """Debug: one JSON line per step (``VLLM_REDRAFTER_STEP_LOG``, module doc)."""
+        assert self.step_log is not None
+        record: dict[str, Any] = {"t": now, "ids": [r.req_id for r in requests],
+                                  "emitted": [len(t) for t in sampled_token_ids],
+                                  "drafted": sum(bool(d) for d in drafts),
+                                  "nodes": sum(len(d) for d in drafts)}
+        policy = self.policy
+        if policy is not None and policy.last is not None:
+            plain, chosen = policy.last
+            n = len(requests)
+            plain_scale = policy.times.correction(n, 0, 0)
+            record.update(shape=[chosen.width, chosen.length],
+                          expected_tps=chosen.tokens_per_second, plain_tps=plain.tokens_per_second,
+                          model_s=chosen.seconds,
+                          scale=policy.times.correction(n, chosen.width, chosen.length),
+                          plain_model_s=plain.seconds, plain_scale=plain_scale,
+                          tpot_share=policy.joins.tpot_share(n, plain.seconds * plain_scale))
+        with open(self.step_log, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def _record(
         self, sampled_token_ids: list[list[int]], hidden_states: Tensor,
