@@ -389,21 +389,27 @@ def test_drafting_that_gains_less_than_lockstep_costs_is_left_off():
     alone, 1.17x in pairs, 1.15x at batch 8. With 40 ms of prefill per joining request and
     64-token answers, breaking the batch's lockstep costs each request the other requests'
     prefills: 0.05 of a plain step per token in pairs, 0.22 at batch 8, more than drafting wins
-    there. The policy drafts alone and in pairs, not at batch 8."""
+    there. The policy drafts alone and in pairs, not at batch 8, unless that batch is out of step
+    already."""
     cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
 
-    def drafted(batch: int) -> float:
+    def drafted(batch: int, lockstep: bool = True) -> float:
         policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None)
         for _ in range(10):
             policy.joins.observe_prefill(1, 0.040)
             policy.joins.observe_finished(64)
+        if not lockstep:  # r0 joined a step before the others
+            policy.step(["r0"], prefilling=False, now=-1.0)
         true = lambda width, length: cost(batch * (1 + width * (length - 1)))  # noqa: E731
         log = run_engine(policy, true, true_p=0.5, steps=1500, batch=batch)[-500:]
+        assert policy.lockstep() == (lockstep and batch > 1)
         return sum(width > 0 for width, *_ in log) / len(log)
 
     assert drafted(1) > 0.9
     assert drafted(2) > 0.9
     assert drafted(8) < 0.02
+    # a batch already out of step has nothing left to lose: drafting pays there
+    assert drafted(8, lockstep=False) > 0.9
 
 
 def test_step_times_skip_warm_up_and_clip_outliers():

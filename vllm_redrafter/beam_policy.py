@@ -28,11 +28,12 @@ others' decode steps, in their time per output token (TPOT), where without draft
 prefills run in one step, before the new requests' first token. Per request that is the other
 B - 1 requests' prefills, J seconds each, over its N output tokens: a share
 ``c = (B - 1) J / (N t)`` of a plain step's t seconds per token (:class:`JoinCost`, J and N
-measured from the steps). So drafting must beat the plain step by ``min_gain / (1 - c)``. With
-long answers c vanishes; with 64-token answers at batch 8 on a 2-core CPU it is about 0.15, more
-than drafting gains there (measured: whole-run throughput 1.01x, TPOT 0.96x with drafting
-on). Under random arrivals, where vLLM alone does not run in lockstep either, the term is
-conservative. Nothing here imports vLLM.
+measured from the steps). So while the batch is in lockstep (its requests all joined in one
+step) drafting must beat the plain step by ``min_gain / (1 - c)``; once it is not (answers of
+different lengths, random arrivals, an earlier draft) that cost is paid or moot, and the margin
+is ``min_gain`` again. With long answers c vanishes; with 64-token answers at batch 8 on a 2-core
+CPU it is about 0.14, more than drafting gains there (measured: whole-run throughput 1.01x, TPOT
+0.96x with drafting on). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -477,6 +478,8 @@ class BeamPolicy:
         self.min_gain = min_gain
         self.joins = JoinCost()
         self._emitted: dict[str, int] = {}  # request id -> tokens emitted while in the batch
+        self._joined_at: dict[str, int] = {}  # request id -> the step it joined the batch in
+        self._steps = 0
         self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
         self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
         self.last: tuple[Choice, Choice] | None = None  # (plain step, chosen) of the last choose
@@ -491,13 +494,17 @@ class BeamPolicy:
         in ``request_ids`` order) gives the output length of the requests that then leave.
         """
         ids = frozenset(request_ids)
+        self._steps += 1
         for request_id, tokens in zip(request_ids, emitted or ()):
             self._emitted[request_id] = self._emitted.get(request_id, 0) + tokens
+        for request_id in request_ids:
+            self._joined_at.setdefault(request_id, self._steps)
         if self._open is not None and ids:
             start, before, choice = self._open
             joined = ids - before
             for request_id in before - ids:
                 self.joins.observe_finished(self._emitted.pop(request_id, 0))
+                self._joined_at.pop(request_id, None)
             if not prefilling and not joined:
                 if choice is not None:
                     self.times.observe(len(before), choice.width, choice.length, choice.seconds,
@@ -528,7 +535,7 @@ class BeamPolicy:
         shapes = drafting_shapes(batch, self.max_width, self.max_length, self.target, mix,
                                  self.draft, max_nodes, others, self.times)
         # drafting must also win back what breaking the batch's lockstep costs its TPOT
-        share = self.joins.tpot_share(n, n / plain.tokens_per_second)
+        share = self.joins.tpot_share(n, n / plain.tokens_per_second) if self.lockstep() else 0.0
         choice = best_of(plain, shapes, self.min_gain / (1 - share))
         if not choice.width:
             choice = self._probe(n, plain, shapes, share) or choice
@@ -541,6 +548,13 @@ class BeamPolicy:
             self._open = (*self._open[:2], choice)
         self.last = (plain, choice)
         return choice
+
+    def lockstep(self) -> bool:
+        """Whether the requests of the current batch all joined it in the same step: without
+        drafts (and without an early end) they would also leave it together."""
+        if self._open is None or len(self._open[1]) < 2:
+            return False
+        return len({self._joined_at.get(i) for i in self._open[1]}) == 1
 
     def _probe(self, n: int, plain: Choice, shapes: Sequence[Choice],
                share: float = 0.0) -> Choice | None:
