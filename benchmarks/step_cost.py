@@ -2,8 +2,9 @@
 beam policy reads).
 
 For batch sizes B and tokens per request T, B prompts of P cached tokens (prefix cache primed)
-get T new tokens each and ``max_tokens=1``: one engine step whose forward covers B * T query
-tokens over a cached context, as a verify step does. The fastest of ``--repeats`` runs (fresh
+get T new tokens each and ``max_tokens=1``: one engine step (queued first, then timed alone:
+:func:`one_step`) whose forward covers B * T query tokens over a cached context, as a verify
+step does. The fastest of ``--repeats`` runs (fresh
 suffixes each time, after one untimed run) per cell is printed as a table of ratios to the (B,
 T=1) step, and written as JSON with a PNG plot. The curves (per batch size, seconds by total query
 tokens, each made monotone) are cached where the ReDrafter proposer looks for them

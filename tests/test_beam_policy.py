@@ -238,15 +238,15 @@ def test_greedy_and_sampled_requests_are_judged_by_their_own_acceptance():
 
 
 def run_engine(policy: BeamPolicy, true_seconds, true_p: float, steps: int, seed: int = 0,
-               batch: int = 1):
+               batch: int = 1, tokens_left: list[int] | None = None):
     """Simulated engine steps of ``batch`` requests under ``policy``: per step the chosen shape,
     the tokens it emitted and its true seconds (``true_seconds(width, length)``); acceptance
-    P(next) = true_p per depth."""
+    P(next) = true_p per depth; ``tokens_left`` per request, as the engine would report them."""
     rng, now, log = random.Random(seed), 0.0, []
     ids = [f"r{i}" for i in range(batch)]
     for _ in range(steps):
         policy.step(ids, prefilling=False, now=now)
-        choice = policy.choose(["greedy"] * batch, max_nodes=64)
+        choice = policy.choose(["greedy"] * batch, max_nodes=64, tokens_left=tokens_left)
         tokens = batch
         if choice.width:
             for _ in ids:
@@ -367,6 +367,14 @@ def test_join_cost_is_the_others_prefills_per_output_token():
     assert joins.tpot_share(64, 0.06) == 0.5  # capped
 
 
+def test_a_batch_is_in_lockstep_while_its_requests_would_leave_together():
+    policy = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=2)
+    assert policy.lockstep([63, 63, 61, 59])  # within the slack of 4 tokens
+    assert not policy.lockstep([63, 40])
+    assert not policy.lockstep([63])  # nobody else's prefill to wait for
+    assert not policy.lockstep(None)  # unknown
+
+
 def test_steps_with_prefill_measure_the_join_cost_and_finished_requests_their_length():
     """Plain steps cost what the curve says (10 ms); a step in which request c joined took 90 ms:
     80 ms of prefill beyond the decode of a and b. b leaves after emitting 2 tokens."""
@@ -390,7 +398,7 @@ def test_drafting_that_gains_less_than_lockstep_costs_is_left_off():
     64-token answers, breaking the batch's lockstep costs each request the other requests'
     prefills: 0.05 of a plain step per token in pairs, 0.22 at batch 8, more than drafting wins
     there. The policy drafts alone and in pairs, not at batch 8, unless that batch is out of step
-    already."""
+    already (its requests' tokens left far apart)."""
     cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
 
     def drafted(batch: int, lockstep: bool = True) -> float:
@@ -398,12 +406,10 @@ def test_drafting_that_gains_less_than_lockstep_costs_is_left_off():
         for _ in range(10):
             policy.joins.observe_prefill(1, 0.040)
             policy.joins.observe_finished(64)
-        if not lockstep:  # r0 joined a step before the others
-            policy.step(["r0"], prefilling=False, now=-1.0)
+        left = [40] * batch if lockstep else [40 + 8 * i for i in range(batch)]
         true = lambda width, length: cost(batch * (1 + width * (length - 1)))  # noqa: E731
-        log = run_engine(policy, true, true_p=0.5, steps=1500, batch=batch)[-500:]
-        assert policy.lockstep() == (lockstep and batch > 1)
-        return sum(width > 0 for width, *_ in log) / len(log)
+        log = run_engine(policy, true, true_p=0.5, steps=1500, batch=batch, tokens_left=left)
+        return sum(width > 0 for width, *_ in log[-500:]) / 500
 
     assert drafted(1) > 0.9
     assert drafted(2) > 0.9

@@ -28,10 +28,10 @@ others' decode steps, in their time per output token (TPOT), where without draft
 prefills run in one step, before the new requests' first token. Per request that is the other
 B - 1 requests' prefills, J seconds each, over its N output tokens: a share
 ``c = (B - 1) J / (N t)`` of a plain step's t seconds per token (:class:`JoinCost`, J and N
-measured from the steps). So while the batch is in lockstep (its requests all joined in one
-step) drafting must beat the plain step by ``min_gain / (1 - c)``; once it is not (answers of
-different lengths, random arrivals, an earlier draft) that cost is paid or moot, and the margin
-is ``min_gain`` again. With long answers c vanishes; with 64-token answers at batch 8 on a 2-core
+measured from the steps). So while the batch is in lockstep (its requests' tokens left differ
+by at most a few) drafting must beat the plain step by ``min_gain / (1 - c)``; once it is not
+(answers of different lengths, random arrivals, an earlier draft) that cost is paid or moot, and
+the margin is ``min_gain`` again. With long answers c vanishes; with 64-token answers at batch 8 on a 2-core
 CPU it is about 0.14, more than drafting gains there (measured: whole-run throughput 1.01x, TPOT
 0.96x with drafting on). Nothing here imports vLLM.
 """
@@ -459,7 +459,8 @@ class BeamPolicy:
 
     def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
                  plain_every: int | None = 32, min_gain: float = 1.05,
-                 probe_every: int | None = 64, probe_floor: float = 0.8) -> None:
+                 probe_every: int | None = 64, probe_floor: float = 0.8,
+                 lockstep_slack: int = 4) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats = {kind: AcceptanceStats() for kind in KINDS}
         self.draft, self.times = DraftCost(), StepTimes()
@@ -478,8 +479,8 @@ class BeamPolicy:
         self.min_gain = min_gain
         self.joins = JoinCost()
         self._emitted: dict[str, int] = {}  # request id -> tokens emitted while in the batch
-        self._joined_at: dict[str, int] = {}  # request id -> the step it joined the batch in
-        self._steps = 0
+        # the batch is in lockstep when its requests' tokens left differ by at most this much
+        self.lockstep_slack = lockstep_slack
         self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
         self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
         self.last: tuple[Choice, Choice] | None = None  # (plain step, chosen) of the last choose
@@ -494,17 +495,13 @@ class BeamPolicy:
         in ``request_ids`` order) gives the output length of the requests that then leave.
         """
         ids = frozenset(request_ids)
-        self._steps += 1
         for request_id, tokens in zip(request_ids, emitted or ()):
             self._emitted[request_id] = self._emitted.get(request_id, 0) + tokens
-        for request_id in request_ids:
-            self._joined_at.setdefault(request_id, self._steps)
         if self._open is not None and ids:
             start, before, choice = self._open
             joined = ids - before
             for request_id in before - ids:
                 self.joins.observe_finished(self._emitted.pop(request_id, 0))
-                self._joined_at.pop(request_id, None)
             if not prefilling and not joined:
                 if choice is not None:
                     self.times.observe(len(before), choice.width, choice.length, choice.seconds,
@@ -526,8 +523,10 @@ class BeamPolicy:
             if count := sum(k == kind for k in kinds):
                 self.stats[kind].observe_no_drafts(count)
 
-    def choose(self, kinds: Sequence[str], max_nodes: int, others: int = 0) -> Choice:
-        """The shape for a step where requests of these ``kinds`` may draft, ``others`` not."""
+    def choose(self, kinds: Sequence[str], max_nodes: int, others: int = 0,
+               tokens_left: Sequence[int] | None = None) -> Choice:
+        """The shape for a step where requests of these ``kinds`` may draft, ``others`` not;
+        ``tokens_left``: how many more tokens each of them may emit (None: unknown)."""
         batch, n = len(kinds), len(kinds) + others
         mix = BatchAcceptance(tuple((self.stats[kind], kinds.count(kind) / max(batch, 1))
                                     for kind in KINDS if kind in kinds))
@@ -535,7 +534,8 @@ class BeamPolicy:
         shapes = drafting_shapes(batch, self.max_width, self.max_length, self.target, mix,
                                  self.draft, max_nodes, others, self.times)
         # drafting must also win back what breaking the batch's lockstep costs its TPOT
-        share = self.joins.tpot_share(n, n / plain.tokens_per_second) if self.lockstep() else 0.0
+        share = (self.joins.tpot_share(n, n / plain.tokens_per_second)
+                 if self.lockstep(tokens_left) else 0.0)
         choice = best_of(plain, shapes, self.min_gain / (1 - share))
         if not choice.width:
             choice = self._probe(n, plain, shapes, share) or choice
@@ -549,12 +549,11 @@ class BeamPolicy:
         self.last = (plain, choice)
         return choice
 
-    def lockstep(self) -> bool:
-        """Whether the requests of the current batch all joined it in the same step: without
-        drafts (and without an early end) they would also leave it together."""
-        if self._open is None or len(self._open[1]) < 2:
-            return False
-        return len({self._joined_at.get(i) for i in self._open[1]}) == 1
+    def lockstep(self, tokens_left: Sequence[int] | None) -> bool:
+        """Whether requests with these tokens left would, without drafts, leave the batch within
+        a few steps of each other (and their successors, in a closed loop, join it together)."""
+        return (tokens_left is not None and len(tokens_left) >= 2
+                and max(tokens_left) - min(tokens_left) <= self.lockstep_slack)
 
     def _probe(self, n: int, plain: Choice, shapes: Sequence[Choice],
                share: float = 0.0) -> Choice | None:

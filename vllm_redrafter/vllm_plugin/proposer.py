@@ -230,7 +230,8 @@ class ReDrafterProposer:
         """
         shapes = [self._request_settings(r) for r in requests]
         if self.policy is not None and any(not s.own_shape for s in shapes):
-            choice = self.policy.choose([_kind(r) for r in requests], cap, others)  # others: none
+            choice = self.policy.choose([_kind(r) for r in requests], cap, others,
+                                        tokens_left=[_tokens_left(r) for r in requests])
             if choice.width == 0:
                 self.policy.observe_no_drafts([_kind(r) for r, s in zip(requests, shapes)
                                                if not s.own_shape])
