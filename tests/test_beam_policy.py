@@ -370,7 +370,9 @@ def test_join_cost_is_the_others_prefills_per_output_token():
 def test_a_batch_is_in_lockstep_while_its_requests_would_leave_together():
     policy = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=2)
     assert policy.lockstep([63, 63, 61, 59])  # within the slack of 4 tokens
+    assert policy.lockstep([63, 2, 2, 2, 1, 2, 2, 2])  # a cohort and its early successor
     assert not policy.lockstep([63, 40])
+    assert not policy.lockstep([60, 52, 44, 36, 28, 20, 12, 4])  # out of step
     assert not policy.lockstep([63])  # nobody else's prefill to wait for
     assert not policy.lockstep(None)  # unknown
 

@@ -472,7 +472,8 @@ class BeamPolicy:
         # Each such shape costs a few steps, at most 1 - probe_floor of a step's time each.
         self.probe_every, self.probe_floor = probe_every, probe_floor
         self._since_probe: dict[int, int] = {}  # bucket -> plain steps since its last probe
-        self._probing: dict[int, tuple[int, int]] = {}  # bucket -> a probe's shape, to repeat
+        # bucket -> a probe's shape and its batch, to repeat on the same requests
+        self._probing: dict[int, tuple[int, int, frozenset]] = {}
         # Drafting must promise this much more than a plain step: the model is measured, but
         # with noise (on a shared 2-core CPU whole steps swing 10-20%), and a shape that merely
         # ties costs more than it gains when it errs; where trees pay, they pay far more.
@@ -550,20 +551,30 @@ class BeamPolicy:
         return choice
 
     def lockstep(self, tokens_left: Sequence[int] | None) -> bool:
-        """Whether requests with these tokens left would, without drafts, leave the batch within
-        a few steps of each other (and their successors, in a closed loop, join it together)."""
-        return (tokens_left is not None and len(tokens_left) >= 2
-                and max(tokens_left) - min(tokens_left) <= self.lockstep_slack)
+        """Whether most requests of the batch (at least half, and two) would, without drafts,
+        leave it within a few steps of each other (and their successors, in a closed loop, join
+        it together): their tokens left lie within ``lockstep_slack``. Most, not all: at a
+        cohort's turn-over one request is ahead or behind (it arrived a step apart)."""
+        if tokens_left is None or len(tokens_left) < 2:
+            return False
+        left, most, start = sorted(tokens_left), 0, 0
+        for end, value in enumerate(left):
+            while value - left[start] > self.lockstep_slack:
+                start += 1
+            most = max(most, end - start + 1)
+        return most >= 2 and 2 * most >= len(left)
 
     def _probe(self, n: int, plain: Choice, shapes: Sequence[Choice],
                share: float = 0.0) -> Choice | None:
         """The untimed shape to draft in place of a plain step, when one is due (see __init__).
 
-        A probe is two steps in a row: a shape's first timed step is warm-up (StepTimes)."""
+        A probe is two steps in a row of the same requests: a shape's first timed step is
+        warm-up (StepTimes); on a batch that changed, its second step could not be timed."""
         b = bucket(n)
+        batch = self._open[1] if self._open is not None else frozenset()
         pending = self._probing.pop(b, None)
-        if pending is not None:
-            return next((c for c in shapes if (c.width, c.length) == pending), None)
+        if pending is not None and pending[2] == batch:
+            return next((c for c in shapes if (c.width, c.length) == pending[:2]), None)
         since = self._since_probe.get(b, 0) + 1
         self._since_probe[b] = since
         if not self.probe_every or since < self.probe_every:
@@ -575,7 +586,7 @@ class BeamPolicy:
             return None
         probe = max(untimed, key=lambda c: c.tokens_per_second)
         self._since_probe[b] = 0
-        self._probing[b] = (probe.width, probe.length)
+        self._probing[b] = (probe.width, probe.length, batch)
         return probe
 
 
