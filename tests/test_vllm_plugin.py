@@ -345,10 +345,11 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     assert off_beam_0 >= 0.3
 
 
-def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone):
+def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone, tmp_path):
     """The beam policy in the engine, for requests without their own beam shape: with a step cost
     where every verified token costs a whole step it never drafts; with a flat one it drafts
-    nearly every step, up to the engine's W = 2, L = 4. Output identical to vLLM alone both ways."""
+    nearly every step, up to the engine's W = 2, L = 4. Output identical to vLLM alone both ways.
+    The flat run also writes the debug step log, which benchmarks/step_log.py reads."""
     from vllm_redrafter.beam_policy import BeamPolicy, StepCost
     from vllm_redrafter.vllm_plugin.timing import StepTimings
 
@@ -363,12 +364,27 @@ def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone):
         drafted[name] = sum(bool(r.drafts) for r in proposer.trace) / len(proposer.trace)
         if name == "steep":
             proposer.timings = StepTimings()  # the benchmark hook, on for the flat run
+            proposer.step_log = str(tmp_path / "steps.jsonl")  # and the debug step log
+    proposer.step_log = None
     print(f"\nsteps with drafts: {drafted}")
     assert drafted["steep"] == 0 and drafted["flat"] > 0.7
     assert max(len(r.drafts) for r in proposer.trace) > 3  # W = 2 trees were chosen
     calls = proposer.timings.calls  # every phase of every step with drafts was timed (batched)
     assert calls["draft"] == calls["pack"] > 0 and 0 < calls["verify"] == calls["accept"]
     assert min(proposer.timings.seconds.values()) > 0
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_log.py"
+    spec = importlib.util.spec_from_file_location("step_log", path)
+    step_log = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_log)
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    emitted = sum(sum(line["emitted"]) for line in lines)  # the flat run's tokens, as logged
+    assert emitted >= sum(len(o.outputs[0].token_ids) for o in outputs) - n
+    drafted_cells = [c for c in step_log.summary(step_log.steps(lines))["cells"] if c["shape"][0]]
+    assert drafted_cells, "the log shows no drafted decode steps"
+    # tokens per drafted step: one per request, and more where drafts were accepted
+    assert max(c["tokens_per_step"] / c["batch"] for c in drafted_cells) > 1.2
 
 
 def test_stop_conditions_mid_path_stop_where_vllm_alone_stops(llm, proposer, prompts, alone,

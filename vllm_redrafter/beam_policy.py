@@ -28,12 +28,13 @@ others' decode steps, in their time per output token (TPOT), where without draft
 prefills run in one step, before the new requests' first token. Per request that is the other
 B - 1 requests' prefills, J seconds each, over its N output tokens: a share
 ``c = (B - 1) J / (N t)`` of a plain step's t seconds per token (:class:`JoinCost`, J and N
-measured from the steps). So while the batch is in lockstep (its requests' tokens left differ
-by at most a few) drafting must beat the plain step by ``min_gain / (1 - c)``; once it is not
-(answers of different lengths, random arrivals, an earlier draft) that cost is paid or moot, and
-the margin is ``min_gain`` again. With long answers c vanishes; with 64-token answers at batch 8 on a 2-core
-CPU it is about 0.14, more than drafting gains there (measured: whole-run throughput 1.01x, TPOT
-0.96x with drafting on). Nothing here imports vLLM.
+measured from the steps). So while the batch is in lockstep (most of its requests' tokens left
+lie within a few of each other: :meth:`BeamPolicy.lockstep`) drafting must beat the plain step
+by ``min_gain / (1 - c)``; once it is not (answers of different lengths, random arrivals, an
+earlier draft) that cost is paid or moot, and the margin is ``min_gain`` again. With long
+answers c vanishes; with 64-token answers at batch 8 on a 2-core CPU it is about 0.14, more than
+drafting gains there (measured: whole-run throughput 1.01x, TPOT 0.96x with drafting on).
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -347,9 +348,9 @@ class StepTimes:
 class JoinCost:
     """What drafting costs the batch's TPOT by breaking its lockstep (see :class:`BeamPolicy`).
 
-    Measured from the steps themselves: ``seconds`` per joining request is the time a step with
-    prefill work took beyond the model's decode time of the requests it continued (prefill chunks
-    included), ``tokens`` per request the output length of requests that left the batch.
+    Measured from the steps themselves: J = ``extra / joins``, the time steps with prefill work
+    took beyond the model's decode time of the requests they continued (prefill chunks included)
+    per request that joined; N = ``tokens / finished``, the output length of requests that left.
     """
 
     decay: float = 0.95  # per observation: the load changes
@@ -480,11 +481,12 @@ class BeamPolicy:
         self.min_gain = min_gain
         self.joins = JoinCost()
         self._emitted: dict[str, int] = {}  # request id -> tokens emitted while in the batch
-        # the batch is in lockstep when its requests' tokens left differ by at most this much
+        # a batch is in lockstep when most of its requests' tokens left lie this close
         self.lockstep_slack = lockstep_slack
         self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
         self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
-        self.last: tuple[Choice, Choice] | None = None  # (plain step, chosen) of the last choose
+        # (plain step, chosen, lockstep share c) of the last choose: for the debug step log
+        self.last: tuple[Choice, Choice, float] | None = None
 
     def step(self, request_ids: Sequence[str], prefilling: bool, now: float,
              emitted: Sequence[int] | None = None) -> None:
@@ -547,7 +549,7 @@ class BeamPolicy:
         self._since_plain[bucket(n)] = since + 1 if choice.width else 0
         if self._open is not None:
             self._open = (*self._open[:2], choice)
-        self.last = (plain, choice)
+        self.last = (plain, choice, share)
         return choice
 
     def lockstep(self, tokens_left: Sequence[int] | None) -> bool:
@@ -581,7 +583,7 @@ class BeamPolicy:
             return None
         untimed = [c for c in shapes if not self.times.measured(n, c.width, c.length)
                    and c.tokens_per_second * (1 - share)
-                  >= self.probe_floor * plain.tokens_per_second]
+                   >= self.probe_floor * plain.tokens_per_second]
         if not untimed:
             return None
         probe = max(untimed, key=lambda c: c.tokens_per_second)

@@ -11,9 +11,9 @@ packed nodes after the root as the request's draft list; it keeps each tree's sh
 (:attr:`ReDrafterProposer.trees`) for the verify step (``verifier.py``). W = 1 is a chain.
 
 Debug: with ``VLLM_REDRAFTER_STEP_LOG=FILE`` every step appends one JSON line to FILE (the time
-of the call, the requests and the tokens each emitted, the beam shape chosen and
-the policy's expected tokens/s for it and for a plain step): ``benchmarks/step_log.py`` turns it
-into realized tokens/s per batch size and shape, to set beside what the policy expected.
+of the call, the requests and the tokens each emitted, the beam shape chosen, the policy's
+expected tokens/s for it and for a plain step, its lockstep share): ``benchmarks/step_log.py``
+turns it into realized tokens/s per batch size and shape, beside what the policy expected.
 
 A request whose features assume a chain (penalties, bad words, logit bias, allowed tokens,
 min_tokens still pending, structured output, logprobs) gets no drafts: vLLM samples it as without
@@ -333,15 +333,14 @@ class ReDrafterProposer:
                                   "nodes": sum(len(d) for d in drafts)}
         policy = self.policy
         if policy is not None and policy.last is not None:
-            plain, chosen = policy.last
+            plain, chosen, share = policy.last
             n = len(requests)
-            plain_scale = policy.times.correction(n, 0, 0)
             record.update(shape=[chosen.width, chosen.length],
                           expected_tps=chosen.tokens_per_second, plain_tps=plain.tokens_per_second,
                           model_s=chosen.seconds,
                           scale=policy.times.correction(n, chosen.width, chosen.length),
-                          plain_model_s=plain.seconds, plain_scale=plain_scale,
-                          tpot_share=policy.joins.tpot_share(n, plain.seconds * plain_scale))
+                          plain_model_s=plain.seconds, plain_scale=policy.times.correction(n, 0, 0),
+                          lockstep_share=share)
         with open(self.step_log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
