@@ -420,6 +420,25 @@ def test_drafting_that_gains_less_than_lockstep_costs_is_left_off():
     assert drafted(8, lockstep=False) > 0.9
 
 
+def test_a_cohorts_lone_first_request_does_not_draft_apart_from_it():
+    """Right after a batch of 8 in lockstep, a request running alone for a step (the first of the
+    next cohort to arrive) is judged as part of that batch of 8: no drafts. Alone for longer, it
+    drafts: drafting alone pays 1.36x."""
+    cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
+    policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, probe_every=None)
+    for _ in range(10):
+        policy.joins.observe_prefill(1, 0.040)
+        policy.joins.observe_finished(64)
+    cohort = [f"r{i}" for i in range(8)]
+    policy.step(cohort, prefilling=False, now=0.0)
+    assert policy.choose(["greedy"], max_nodes=8, others=7, tokens_left=[62] + [1] * 7).width == 0
+    widths = []
+    for k in range(1, 5):
+        policy.step(["next"], prefilling=False, now=0.02 * k)
+        widths.append(policy.choose(["greedy"], max_nodes=8, tokens_left=[62 - k]).width)
+    assert widths[:2] == [0, 0] and widths[-1] > 0, widths
+
+
 def test_step_times_skip_warm_up_and_clip_outliers():
     times = StepTimes(decay=1.0, clip=2.0)
     times.observe(1, 1, 3, predicted=0.05, seconds=5.0)  # first step of the shape: not counted

@@ -483,6 +483,8 @@ class BeamPolicy:
         self._emitted: dict[str, int] = {}  # request id -> tokens emitted while in the batch
         # a batch is in lockstep when most of its requests' tokens left lie this close
         self.lockstep_slack = lockstep_slack
+        self._steps = 0
+        self._locked: tuple[int, int] | None = None  # (batch size, step) last seen in lockstep
         self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
         self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
         # (plain step, chosen, lockstep share c) of the last choose: for the debug step log
@@ -498,6 +500,7 @@ class BeamPolicy:
         in ``request_ids`` order) gives the output length of the requests that then leave.
         """
         ids = frozenset(request_ids)
+        self._steps += 1
         for request_id, tokens in zip(request_ids, emitted or ()):
             self._emitted[request_id] = self._emitted.get(request_id, 0) + tokens
         if self._open is not None and ids:
@@ -529,7 +532,8 @@ class BeamPolicy:
     def choose(self, kinds: Sequence[str], max_nodes: int, others: int = 0,
                tokens_left: Sequence[int] | None = None) -> Choice:
         """The shape for a step where requests of these ``kinds`` may draft, ``others`` not;
-        ``tokens_left``: how many more tokens each of them may emit (None: unknown)."""
+        ``tokens_left``: how many more tokens each request of the step may emit, drafting or
+        not (None: unknown)."""
         batch, n = len(kinds), len(kinds) + others
         mix = BatchAcceptance(tuple((self.stats[kind], kinds.count(kind) / max(batch, 1))
                                     for kind in KINDS if kind in kinds))
@@ -537,8 +541,8 @@ class BeamPolicy:
         shapes = drafting_shapes(batch, self.max_width, self.max_length, self.target, mix,
                                  self.draft, max_nodes, others, self.times)
         # drafting must also win back what breaking the batch's lockstep costs its TPOT
-        share = (self.joins.tpot_share(n, n / plain.tokens_per_second)
-                 if self.lockstep(tokens_left) else 0.0)
+        locked = self._locked_batch(tokens_left)
+        share = self.joins.tpot_share(locked, n / plain.tokens_per_second) if locked else 0.0
         choice = best_of(plain, shapes, self.min_gain / (1 - share))
         if not choice.width:
             choice = self._probe(n, plain, shapes, share) or choice
@@ -565,6 +569,17 @@ class BeamPolicy:
                 start += 1
             most = max(most, end - start + 1)
         return most >= 2 and 2 * most >= len(left)
+
+    def _locked_batch(self, tokens_left: Sequence[int] | None) -> int:
+        """The size of the batch in lockstep this step belongs to, 0 if none. A step of one
+        request within two steps of a batch seen in lockstep belongs to it: a cohort's first
+        request to arrive runs alone for a step, and its last to leave does too; drafting them
+        there would set them apart from the cohort."""
+        if tokens_left is not None and len(tokens_left) >= 2:
+            self._locked = (len(tokens_left), self._steps) if self.lockstep(tokens_left) else None
+        if self._locked is None or self._steps - self._locked[1] > 2:
+            return 0
+        return max(self._locked[0], len(tokens_left or ()))
 
     def _probe(self, n: int, plain: Choice, shapes: Sequence[Choice],
                share: float = 0.0) -> Choice | None:

@@ -192,7 +192,8 @@ class ReDrafterProposer:
         active = [i for i, tokens in enumerate(sampled_token_ids)
                   if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
         shapes = self._shapes([requests[i] for i in active], cap,
-                              others=len(sampled_token_ids) - len(active))
+                              others=len(sampled_token_ids) - len(active),
+                              tokens_left=[_tokens_left(r) for r in requests])
         active = [i for i, s in zip(active, shapes) if s is not None]
         shapes = [s for s in shapes if s is not None]
         if active:
@@ -220,8 +221,8 @@ class ReDrafterProposer:
             self._log_step(now, sampled_token_ids, requests, drafts)
         return drafts
 
-    def _shapes(self, requests: Sequence[Any], cap: int,
-                others: int = 0) -> list[RequestSettings | None]:
+    def _shapes(self, requests: Sequence[Any], cap: int, others: int = 0,
+                tokens_left: Sequence[int] | None = None) -> list[RequestSettings | None]:
         """Each request's beam shape this step (None: no drafts).
 
         A request's own W / L (``extra_args``) are kept; the others take the beam policy's
@@ -230,8 +231,7 @@ class ReDrafterProposer:
         """
         shapes = [self._request_settings(r) for r in requests]
         if self.policy is not None and any(not s.own_shape for s in shapes):
-            choice = self.policy.choose([_kind(r) for r in requests], cap, others,
-                                        tokens_left=[_tokens_left(r) for r in requests])
+            choice = self.policy.choose([_kind(r) for r in requests], cap, others, tokens_left)
             if choice.width == 0:
                 self.policy.observe_no_drafts([_kind(r) for r, s in zip(requests, shapes)
                                                if not s.own_shape])
