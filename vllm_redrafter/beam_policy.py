@@ -52,6 +52,9 @@ from typing import Protocol
 from vllm_redrafter.cpu_features import cpu_isa
 from vllm_redrafter.sampling import SAMPLING_EPS
 
+DEFAULT_MIN_GAIN = 1.05
+"""How much more than a plain step's tokens/s a shape must promise to be drafted (BeamPolicy)."""
+
 KINDS = ("greedy", "sampled")
 """Requests whose acceptance is counted apart: greedy ones accept more than sampled ones."""
 
@@ -459,7 +462,7 @@ class BeamPolicy:
     """
 
     def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
-                 plain_every: int | None = 32, min_gain: float = 1.05,
+                 plain_every: int | None = 32, min_gain: float = DEFAULT_MIN_GAIN,
                  probe_every: int | None = 64, probe_floor: float = 0.8,
                  lockstep_slack: int = 4) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length

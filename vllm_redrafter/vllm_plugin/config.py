@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_redrafter.beam_policy import DEFAULT_MIN_GAIN
 from vllm_redrafter.drafter import (
     CONFIG_FILE,
     DrafterCheckpointError,
@@ -46,9 +47,6 @@ VERIFICATION_MODES = ("exact", "rejection", "typical")
 BEAM_POLICIES = ("auto", "fixed")
 DEFAULT_BEAM_WIDTH = 4
 DEFAULT_BEAM_LENGTH = 4
-DEFAULT_MIN_GAIN = 1.05
-"""The beam policy drafts a step only where it expects this many times a plain step's tokens/s
-(``BeamPolicy.min_gain``)."""
 MAX_SPECULATIVE_TOKENS = 128
 """vLLM's rejection sampler refuses more draft tokens per request (``MAX_SPEC_LEN``)."""
 
@@ -107,8 +105,8 @@ def validate_settings(
 
     Reads ``model`` (the drafter dir), ``beam_width``, ``beam_length``, ``verification``,
     ``beam_policy``, ``step_cost``, ``min_gain`` and ``num_speculative_tokens``; other keys are
-    ignored here. The drafter's
-    ``config.json`` is checked against the target's dims when they are given (no weights read).
+    ignored here. The drafter's ``config.json`` is checked against the target's dims when they are
+    given (no weights read).
     """
     W = _int_field("beam_width", raw.get("beam_width", DEFAULT_BEAM_WIDTH), low=1)
     L = _int_field("beam_length", raw.get("beam_length", DEFAULT_BEAM_LENGTH), low=2)
