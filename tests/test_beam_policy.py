@@ -368,13 +368,16 @@ def test_join_cost_is_the_others_prefills_per_output_token():
 
 
 def test_a_batch_is_in_lockstep_while_its_requests_would_leave_together():
-    policy = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=2)
+    policy = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=2,
+                        lockstep_slack=4)
     assert policy.lockstep([63, 63, 61, 59])  # within the slack of 4 tokens
     assert policy.lockstep([63, 2, 2, 2, 1, 2, 2, 2])  # a cohort and its early successor
     assert not policy.lockstep([63, 40])
     assert not policy.lockstep([60, 52, 44, 36, 28, 20, 12, 4])  # out of step
     assert not policy.lockstep([63])  # nobody else's prefill to wait for
     assert not policy.lockstep(None)  # unknown
+    default = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=2)
+    assert not default.lockstep([63, 63, 63])  # the lockstep margin is off by default
 
 
 def test_steps_with_prefill_measure_the_join_cost_and_finished_requests_their_length():
@@ -404,7 +407,7 @@ def test_drafting_that_gains_less_than_lockstep_costs_is_left_off():
     cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
 
     def drafted(batch: int, lockstep: bool = True) -> float:
-        policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None)
+        policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, lockstep_slack=4)
         for _ in range(10):
             policy.joins.observe_prefill(1, 0.040)
             policy.joins.observe_finished(64)
@@ -425,7 +428,8 @@ def test_a_cohorts_lone_first_request_does_not_draft_apart_from_it():
     next cohort to arrive) is judged as part of that batch of 8: no drafts. Alone for longer, it
     drafts: drafting alone pays 1.36x."""
     cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
-    policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, probe_every=None)
+    policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, probe_every=None,
+                        lockstep_slack=4)
     for _ in range(10):
         policy.joins.observe_prefill(1, 0.040)
         policy.joins.observe_finished(64)

@@ -33,8 +33,9 @@ lie within a few of each other: :meth:`BeamPolicy.lockstep`) drafting must beat 
 by ``min_gain / (1 - c)``; once it is not (answers of different lengths, random arrivals, an
 earlier draft) that cost is paid or moot, and the margin is ``min_gain`` again. With long
 answers c vanishes; with 64-token answers at batch 8 on a 2-core CPU it is about 0.14, more than
-drafting gains there (measured: whole-run throughput 1.01x, TPOT 0.96x with drafting on).
-Nothing here imports vLLM.
+drafting gains there. This lockstep margin is off by default (``lockstep_slack=None``): in the
+serving sweep it kept batch 8 from drafting, yet the batch still drifted out of step and paid
+the prefills in its TPOT without drafting's gain (README, Figures). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -464,7 +465,7 @@ class BeamPolicy:
     def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
                  plain_every: int | None = 32, min_gain: float = DEFAULT_MIN_GAIN,
                  probe_every: int | None = 64, probe_floor: float = 0.8,
-                 lockstep_slack: int = 4) -> None:
+                 lockstep_slack: int | None = None) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats = {kind: AcceptanceStats() for kind in KINDS}
         self.draft, self.times = DraftCost(), StepTimes()
@@ -484,7 +485,8 @@ class BeamPolicy:
         self.min_gain = min_gain
         self.joins = JoinCost()
         self._emitted: dict[str, int] = {}  # request id -> tokens emitted while in the batch
-        # a batch is in lockstep when most of its requests' tokens left lie this close
+        # A batch is in lockstep when most of its requests' tokens left lie this close; None:
+        # the lockstep margin is off (the default: measured worse in the serving sweep, README).
         self.lockstep_slack = lockstep_slack
         self._steps = 0
         self._locked: tuple[int, int] | None = None  # (batch size, step) last seen in lockstep
@@ -564,7 +566,7 @@ class BeamPolicy:
         leave it within a few steps of each other (and their successors, in a closed loop, join
         it together): their tokens left lie within ``lockstep_slack``. Most, not all: at a
         cohort's turn-over one request is ahead or behind (it arrived a step apart)."""
-        if tokens_left is None or len(tokens_left) < 2:
+        if self.lockstep_slack is None or tokens_left is None or len(tokens_left) < 2:
             return False
         left, most, start = sorted(tokens_left), 0, 0
         for end, value in enumerate(left):
