@@ -384,7 +384,7 @@ def test_steps_with_prefill_measure_the_join_cost_and_finished_requests_their_le
     """Plain steps cost what the curve says (10 ms); a step in which request c joined took 90 ms:
     80 ms of prefill beyond the decode of a and b. b leaves after emitting 2 tokens."""
     policy = BeamPolicy(StepCost((1, 64), (0.010, 0.010001)), max_width=1, max_length=2,
-                        min_gain=100.0)  # never drafts
+                        min_gain=100.0, lockstep_slack=4)  # never drafts; the margin measured
 
     def step(ids: list[str], now: float, emitted: list[int]):
         policy.step(ids, prefilling=False, now=now, emitted=emitted)

@@ -500,29 +500,40 @@ class BeamPolicy:
         """Close the timing of the previous step, if this one continues it.
 
         A step counts when no request joined it (a joining request's prefill would be in its
-        time) and none is mid-prefill: only decode steps of the shape chosen are measured. A step
-        with prefill work measures :class:`JoinCost` instead; ``emitted`` (tokens per request,
-        in ``request_ids`` order) gives the output length of the requests that then leave.
+        time) and none is mid-prefill: only decode steps of the shape chosen are measured. With
+        the lockstep margin on, a step with prefill work measures :class:`JoinCost` instead, and
+        ``emitted`` (tokens per request, in ``request_ids`` order) the output length of the
+        requests that then leave; with it off (the default) neither is kept.
         """
         ids = frozenset(request_ids)
         self._steps += 1
-        for request_id, tokens in zip(request_ids, emitted or ()):
-            self._emitted[request_id] = self._emitted.get(request_id, 0) + tokens
         if self._open is not None and ids:
             start, before, choice = self._open
-            joined = ids - before
-            for request_id in before - ids:
-                self.joins.observe_finished(self._emitted.pop(request_id, 0))
-            if not prefilling and not joined:
+            if not prefilling and not ids - before:
                 if choice is not None:
                     self.times.observe(len(before), choice.width, choice.length, choice.seconds,
                                        now - start)
-            elif choice is not None:
-                kept = len(ids & before)
-                decode = (self.target(kept, kept) * self.times.correction(kept, 0, 0)
-                          if kept else 0.0)
-                self.joins.observe_prefill(len(joined), now - start - decode)
+            elif choice is not None and self.lockstep_slack is not None:
+                self._observe_prefill(ids, before, now - start)
+        if self.lockstep_slack is not None:  # JoinCost is read by the lockstep margin only
+            self._observe_lengths(request_ids, emitted, self._open[1] if self._open else None)
         self._open = (now, ids, None)
+
+    def _observe_prefill(self, ids: frozenset, before: frozenset, seconds: float) -> None:
+        """A step with prefill work: its time beyond the plain decode of the requests it kept."""
+        kept = len(ids & before)
+        decode = self.target(kept, kept) * self.times.correction(kept, 0, 0) if kept else 0.0
+        self.joins.observe_prefill(len(ids - before), seconds - decode)
+
+    def _observe_lengths(self, request_ids: Sequence[str], emitted: Sequence[int] | None,
+                         before: frozenset | None) -> None:
+        """Count each request's tokens; those that left the batch give JoinCost their length."""
+        for request_id, tokens in zip(request_ids, emitted or ()):
+            self._emitted[request_id] = self._emitted.get(request_id, 0) + tokens
+        if before is None or not request_ids:
+            return
+        for request_id in before - frozenset(request_ids):
+            self.joins.observe_finished(self._emitted.pop(request_id, 0))
 
     def observe(self, kind: str, width: int, length: int, packed: int, accepted: int) -> None:
         """One verified tree of a request of ``kind`` (:data:`KINDS`)."""
