@@ -377,7 +377,10 @@ def test_a_batch_is_in_lockstep_while_its_requests_would_leave_together():
     assert not policy.lockstep([63])  # nobody else's prefill to wait for
     assert not policy.lockstep(None)  # unknown
     default = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=2)
-    assert not default.lockstep([63, 63, 63])  # the lockstep margin is off by default
+    assert default.lockstep([63, 63, 63])  # the lockstep margin is on by default
+    off = BeamPolicy(StepCost((1, 64), (0.010, 0.020)), max_width=1, max_length=2,
+                     lockstep_slack=None)
+    assert not off.lockstep([63, 63, 63])
 
 
 def test_steps_with_prefill_measure_the_join_cost_and_finished_requests_their_length():
@@ -441,6 +444,23 @@ def test_a_cohorts_lone_first_request_does_not_draft_apart_from_it():
         policy.step(["next"], prefilling=False, now=0.02 * k)
         widths.append(policy.choose(["greedy"], max_nodes=8, tokens_left=[62 - k]).width)
     assert widths[:2] == [0, 0] and widths[-1] > 0, widths
+
+
+def test_a_fragment_of_a_cohort_is_never_probed():
+    """A probe is due (every plain step), but the lone request right after a batch of 8 in
+    lockstep is part of that cohort: a probe would set it apart as surely as drafting would."""
+    cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
+    policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, probe_every=1,
+                        min_gain=10.0)  # drafting never pays: only a probe would draft
+    cohort = [f"r{i}" for i in range(8)]
+    policy.step(cohort, prefilling=False, now=0.0)
+    policy.choose(["greedy"] * 8, max_nodes=8, tokens_left=[40] * 8)
+    policy.step(["r0"], prefilling=False, now=0.02)
+    assert policy.choose(["greedy"], max_nodes=8, tokens_left=[39]).width == 0
+    for k in range(2, 6):  # alone for longer: no cohort any more, probes resume
+        policy.step(["r0"], prefilling=False, now=0.02 * k)
+        width = policy.choose(["greedy"], max_nodes=8, tokens_left=[40 - k]).width
+    assert width > 0
 
 
 def test_step_times_skip_warm_up_and_clip_outliers():

@@ -56,6 +56,9 @@ from vllm_redrafter.sampling import SAMPLING_EPS
 DEFAULT_MIN_GAIN = 1.05
 """How much more than a plain step's tokens/s a shape must promise to be drafted (BeamPolicy)."""
 
+DEFAULT_LOCKSTEP_SLACK = 4
+"""A batch whose requests' tokens left mostly lie this close is in lockstep (BeamPolicy)."""
+
 KINDS = ("greedy", "sampled")
 """Requests whose acceptance is counted apart: greedy ones accept more than sampled ones."""
 
@@ -465,7 +468,7 @@ class BeamPolicy:
     def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
                  plain_every: int | None = 32, min_gain: float = DEFAULT_MIN_GAIN,
                  probe_every: int | None = 64, probe_floor: float = 0.8,
-                 lockstep_slack: int | None = None) -> None:
+                 lockstep_slack: int | None = DEFAULT_LOCKSTEP_SLACK) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats = {kind: AcceptanceStats() for kind in KINDS}
         self.draft, self.times = DraftCost(), StepTimes()
@@ -559,8 +562,11 @@ class BeamPolicy:
         # drafting must also win back what breaking the batch's lockstep costs its TPOT
         locked = self._locked_batch(tokens_left)
         share = self.joins.tpot_share(locked, n / plain.tokens_per_second) if locked else 0.0
-        choice = best_of(plain, shapes, self.min_gain / (1 - share))
-        if not choice.width:
+        # a few of a cohort's requests running without the rest (it arrived or leaves split)
+        # stay plain: drafted, they would leave the cohort for good
+        fragment = locked > len(tokens_left or ())
+        choice = plain if fragment else best_of(plain, shapes, self.min_gain / (1 - share))
+        if not choice.width and not fragment:  # a probe would set a fragment apart too
             choice = self._probe(n, plain, shapes, share) or choice
         every = self.plain_every
         since = self._since_plain.get(bucket(n), (every or 2) - 2)  # a bucket's 2nd step: plain
@@ -587,15 +593,18 @@ class BeamPolicy:
         return most >= 2 and 2 * most >= len(left)
 
     def _locked_batch(self, tokens_left: Sequence[int] | None) -> int:
-        """The size of the batch in lockstep this step belongs to, 0 if none. A step of one
-        request within two steps of a batch seen in lockstep belongs to it: a cohort's first
-        request to arrive runs alone for a step, and its last to leave does too; drafting them
-        there would set them apart from the cohort."""
-        if tokens_left is not None and len(tokens_left) >= 2:
-            self._locked = (len(tokens_left), self._steps) if self.lockstep(tokens_left) else None
-        if self._locked is None or self._steps - self._locked[1] > 2:
+        """The size of the batch in lockstep this step belongs to, 0 if none. A smaller step
+        within two steps of a batch seen in lockstep belongs to it: a cohort arrives split
+        (its first requests run a step or two before the rest join) and leaves split too;
+        drafting those fragments would set them apart from the cohort."""
+        recent = self._locked is not None and self._steps - self._locked[1] <= 2
+        size = len(tokens_left or ())
+        if size >= 2 and not (recent and self._locked[0] > size):
+            self._locked = (size, self._steps) if self.lockstep(tokens_left) else None
+            recent = self._locked is not None
+        if not recent:
             return 0
-        return max(self._locked[0], len(tokens_left or ()))
+        return max(self._locked[0], size)
 
     def _probe(self, n: int, plain: Choice, shapes: Sequence[Choice],
                share: float = 0.0) -> Choice | None:
