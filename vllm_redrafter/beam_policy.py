@@ -33,9 +33,13 @@ lie within a few of each other: :meth:`BeamPolicy.lockstep`) drafting must beat 
 by ``min_gain / (1 - c)``; once it is not (answers of different lengths, random arrivals, an
 earlier draft) that cost is paid or moot, and the margin is ``min_gain`` again. With long
 answers c vanishes; with 64-token answers at batch 8 on a 2-core CPU it is about 0.14, more than
-drafting gains there. This lockstep margin is off by default (``lockstep_slack=None``): in the
-serving sweep it kept batch 8 from drafting, yet the batch still drifted out of step and paid
-the prefills in its TPOT without drafting's gain (README, Figures). Nothing here imports vLLM.
+drafting gains there. A cohort also arrives and leaves split: its first requests run a step or
+two before the rest join, its last ones a step after the rest left. Such a fragment of a batch
+seen in lockstep two steps before never drafts, nor is it probed: a few tokens gained there set
+its requests apart from the cohort for good. All this is off by default (``lockstep_slack=None``;
+``lockstep_slack=4`` turns it on): in the serving sweeps on a 2-core CPU neither the margin alone
+nor with the fragment rule kept batch 8 as fast as vLLM alone (README, Figures).
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -55,9 +59,6 @@ from vllm_redrafter.sampling import SAMPLING_EPS
 
 DEFAULT_MIN_GAIN = 1.05
 """How much more than a plain step's tokens/s a shape must promise to be drafted (BeamPolicy)."""
-
-DEFAULT_LOCKSTEP_SLACK = 4
-"""A batch whose requests' tokens left mostly lie this close is in lockstep (BeamPolicy)."""
 
 KINDS = ("greedy", "sampled")
 """Requests whose acceptance is counted apart: greedy ones accept more than sampled ones."""
@@ -468,7 +469,7 @@ class BeamPolicy:
     def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
                  plain_every: int | None = 32, min_gain: float = DEFAULT_MIN_GAIN,
                  probe_every: int | None = 64, probe_floor: float = 0.8,
-                 lockstep_slack: int | None = DEFAULT_LOCKSTEP_SLACK) -> None:
+                 lockstep_slack: int | None = None) -> None:
         self.target, self.max_width, self.max_length = target, max_width, max_length
         self.stats = {kind: AcceptanceStats() for kind in KINDS}
         self.draft, self.times = DraftCost(), StepTimes()
@@ -489,7 +490,7 @@ class BeamPolicy:
         self.joins = JoinCost()
         self._emitted: dict[str, int] = {}  # request id -> tokens emitted while in the batch
         # A batch is in lockstep when most of its requests' tokens left lie this close; None:
-        # the lockstep margin is off (the default: measured worse in the serving sweep, README).
+        # the lockstep margin is off (the default: not better in the serving sweeps, README).
         self.lockstep_slack = lockstep_slack
         self._steps = 0
         self._locked: tuple[int, int] | None = None  # (batch size, step) last seen in lockstep
