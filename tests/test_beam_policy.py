@@ -397,6 +397,21 @@ def test_steps_with_prefill_measure_the_join_cost_and_finished_requests_their_le
     assert policy.joins.tokens / policy.joins.finished == 2
 
 
+LOCKSTEP_COST = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
+"""W=1 L=3 drafts give 1.36x a plain step's tokens/s alone, 1.17x in pairs, 1.15x at batch 8."""
+
+
+def lockstep_policy(**kwargs) -> BeamPolicy:
+    """A W=1 L=3 policy on LOCKSTEP_COST with the lockstep margin on, its join cost measured:
+    40 ms of prefill per joining request, 64-token answers."""
+    policy = BeamPolicy(LOCKSTEP_COST, max_width=1, max_length=3, plain_every=None,
+                        lockstep_slack=4, **kwargs)
+    for _ in range(10):
+        policy.joins.observe_prefill(1, 0.040)
+        policy.joins.observe_finished(64)
+    return policy
+
+
 def test_drafting_that_gains_less_than_lockstep_costs_is_left_off():
     """The curve (the machine's true cost) makes W=1 L=3 drafts 1.36x a plain step's tokens/s
     alone, 1.17x in pairs, 1.15x at batch 8. With 40 ms of prefill per joining request and
@@ -404,13 +419,10 @@ def test_drafting_that_gains_less_than_lockstep_costs_is_left_off():
     prefills: 0.05 of a plain step per token in pairs, 0.22 at batch 8, more than drafting wins
     there. The policy drafts alone and in pairs, not at batch 8, unless that batch is out of step
     already (its requests' tokens left far apart)."""
-    cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
+    cost = LOCKSTEP_COST
 
     def drafted(batch: int, lockstep: bool = True) -> float:
-        policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, lockstep_slack=4)
-        for _ in range(10):
-            policy.joins.observe_prefill(1, 0.040)
-            policy.joins.observe_finished(64)
+        policy = lockstep_policy()
         left = [40] * batch if lockstep else [40 + 8 * i for i in range(batch)]
         true = lambda width, length: cost(batch * (1 + width * (length - 1)))  # noqa: E731
         log = run_engine(policy, true, true_p=0.5, steps=1500, batch=batch, tokens_left=left)
@@ -427,12 +439,7 @@ def test_a_cohorts_lone_first_request_does_not_draft_apart_from_it():
     """Right after a batch of 8 in lockstep, a request running alone for a step (the first of the
     next cohort to arrive) is judged as part of that batch of 8: no drafts. Alone for longer, it
     drafts: drafting alone pays 1.36x."""
-    cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
-    policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, probe_every=None,
-                        lockstep_slack=4)
-    for _ in range(10):
-        policy.joins.observe_prefill(1, 0.040)
-        policy.joins.observe_finished(64)
+    policy = lockstep_policy(probe_every=None)
     cohort = [f"r{i}" for i in range(8)]
     policy.step(cohort, prefilling=False, now=0.0)
     assert policy.choose(["greedy"], max_nodes=8, others=7, tokens_left=[62] + [1] * 7).width == 0
@@ -447,12 +454,7 @@ def test_a_cohort_arriving_split_does_not_draft_its_first_requests():
     """3 of the next cohort of 8 arrived a step before the rest: in lockstep among themselves,
     but a fragment of the batch of 8 seen just before; drafting pays for 3 (1.17x in pairs on
     this curve) yet they stay plain until the cohort is whole, or long enough apart from it."""
-    cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
-    policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, probe_every=None,
-                        lockstep_slack=4)
-    for _ in range(10):
-        policy.joins.observe_prefill(1, 0.040)
-        policy.joins.observe_finished(64)
+    policy = lockstep_policy(probe_every=None)
     policy.step([f"r{i}" for i in range(8)], prefilling=False, now=0.0, emitted=[64] * 8)
     policy.choose(["greedy"] * 8, max_nodes=8, tokens_left=[1] * 8)
     widths = []
@@ -465,8 +467,7 @@ def test_a_cohort_arriving_split_does_not_draft_its_first_requests():
 def test_a_fragment_of_a_cohort_is_never_probed():
     """A probe is due (every plain step), but the lone request right after a batch of 8 in
     lockstep is part of that cohort: a probe would set it apart as surely as drafting would."""
-    cost = StepCost((1, 8, 24), (0.010, 0.020, 0.0304))
-    policy = BeamPolicy(cost, max_width=1, max_length=3, plain_every=None, probe_every=1,
+    policy = BeamPolicy(LOCKSTEP_COST, max_width=1, max_length=3, plain_every=None, probe_every=1,
                         min_gain=10.0, lockstep_slack=4)  # never pays: only a probe would draft
     cohort = [f"r{i}" for i in range(8)]
     policy.step(cohort, prefilling=False, now=0.0)
