@@ -156,7 +156,7 @@ def detailed_prompts(n: int, seed: int) -> list[str]:
     kinds = list(_KINDS.values())
     prompts: list[str] = []
     seen: set[str] = set()
-    for attempt in range(20 * n):
+    for _ in range(20 * n):
         if len(prompts) == n:
             break
         prompt = kinds[len(prompts) % len(kinds)](rng)
