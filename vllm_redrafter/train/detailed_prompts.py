@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from vllm_redrafter.train.prompts import CITIES, LANGUAGES, PEOPLE, SURNAMES, TOPICS, _document
+from vllm_redrafter.train.prompts import CITIES, LANGUAGES, PEOPLE, SURNAMES, TOPICS, _a, _document
 
 PLACES = ["Kyoto", "Iceland", "the Scottish Highlands", "Patagonia", "Marrakech", "Vietnam",
           "New Zealand", "the Amalfi Coast", "Cape Town", "Quebec City", "Istanbul", "Peru",
@@ -255,10 +255,6 @@ _KINDS: dict[str, Callable[[random.Random], str]] = {
 
 def _name(rng: random.Random) -> str:
     return f"{rng.choice(PEOPLE)} {rng.choice(SURNAMES)}"
-
-
-def _a(noun: str) -> str:
-    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def _email(rng: random.Random) -> str:
