@@ -65,7 +65,8 @@ def main() -> None:
         out = args.out / labels
         arm = replace(recipe, name=f"{recipe.name}-{labels}", train=train, save_dtype="float32",
                       data=replace(recipe.data, dataset=args.dataset, labels=labels,
-                                   position_stride=args.position_stride, builtin=builtin))
+                                   position_stride=args.position_stride, builtin=builtin),
+                      extra_data=())  # one dataset, labelled both ways
         if (out / "training.json").is_file():
             record = json.loads((out / "training.json").read_text())
         else:

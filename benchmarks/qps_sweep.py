@@ -8,7 +8,9 @@ long past its first requests, and the policy has learnt this machine). Then at e
 concurrency (closed loop: C requests in flight) or a request rate, vLLM's own benchmark client
 sends the same MT-Bench questions (first turn, the server applies the chat template) to each
 server, ``--repeats`` times with the order of the servers rotating and reversing, so that drift
-hits all alike. Per load and server, pooled over the repeats: output throughput (all tokens / all
+hits all alike; the servers are started anew for each repeat, one after another, in an order
+reversed every other repeat (identical engines differ by a few percent for their whole life, the
+later-started one faster in our measurement: use an even ``--repeats``). Per load and server, pooled over the repeats: output throughput (all tokens / all
 seconds), TTFT and TPOT (mean, median, p99 over every request), and for ReDrafter the fraction of
 request-steps that drafted (from the server's /metrics). Printed as a table, written as JSON with
 every run's scalars, and drawn as ratios to vLLM alone vs load. Measure the step cost first
@@ -36,7 +38,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from vllm_redrafter.demo import (
     DEFAULT_DRAFTER,
@@ -124,6 +128,46 @@ def drafted_fraction(after: dict, before: dict) -> float | None:
     steps = (delta["vllm:generation_tokens_total"]
              - delta["vllm:spec_decode_num_accepted_tokens_total"])
     return delta["vllm:spec_decode_num_drafts_total"] / steps if steps > 0 else None
+
+
+def start_order(names: list[str], repeat: int) -> list[str]:
+    """The servers' start order in one repeat: reversed every other repeat.
+
+    Identical engines side by side on a CPU differ by a few percent for their whole life
+    (measured: 1.04x between two vLLM-alone engines, the later-started one faster; vLLM binds
+    and configures both alike, so it is the processes' memory, not vLLM), so one server start is
+    one sample: the servers start anew each repeat, in alternating order, and an even number of
+    repeats cancels the start-order part.
+    """
+    return names[::-1] if repeat % 2 else list(names)
+
+
+@contextmanager
+def serving(order: list[str], target: str, specs: dict, work: Path) -> Iterator[None]:
+    """The servers of ``order``, each started after the one before is healthy; stopped on exit."""
+    servers: dict[str, subprocess.Popen] = {}
+    try:
+        for name in order:
+            log = work / f"{name}.log"
+            servers[name] = start_server(name, target, specs.get(name), log)
+            wait_healthy(servers[name], PORTS[name], log)
+        yield
+    except Exception:
+        for name, server in servers.items():  # a server that died: its log says why
+            if server.poll() is not None:
+                print(exit_report(name, server, work / f"{name}.log"), file=sys.stderr)
+        raise
+    finally:
+        for server in servers.values():
+            try:
+                os.killpg(server.pid, signal.SIGINT)
+            except ProcessLookupError:  # already gone
+                pass
+        for server in servers.values():
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
 
 
 def rotation(names: list[str], level: int, repeat: int) -> list[str]:
@@ -252,55 +296,37 @@ def main() -> None:
         specs["policy"]["step_cost"] = str(args.step_cost.resolve())
     levels = loads(args)
     questions = first_turns(args.prompts or find_mt_bench(), NUM_QUESTIONS)
-    rows, raw = [], {}
+    runs = {load["label"]: {name: [] for name in PORTS} for load in levels}
+    deltas = {load["label"]: {} for load in levels}  # the arms' /metrics counters, summed
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         dataset = work / "prompts.json"  # ShareGPT's format (read without pandas)
         dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": q},
                                                           {"from": "gpt", "value": ""}]}
                                        for q in questions]))
-        servers = {name: start_server(name, target, specs.get(name), work / f"{name}.log")
-                   for name in PORTS}
-        try:
-            for name, server in servers.items():
-                wait_healthy(server, PORTS[name], work / f"{name}.log")
-            for name in servers:
-                bench(name, target, dataset, {"label": "warmup", "concurrency": 2,
-                                              "num_prompts": args.warmup_prompts}, args, work)
-            for i, load in enumerate(levels):
-                runs, drafted = {name: [] for name in PORTS}, {}
-                before = {name: counters(name) for name in ARMS}
-                for k in range(args.repeats):
-                    for name in rotation(list(PORTS), i, k):
-                        if name != "fixed" or k < args.fixed_repeats:
-                            runs[name].append(bench(name, target, dataset, load, args, work))
-                for name in ARMS:
-                    drafted[name] = drafted_fraction(counters(name), before[name])
-                raw[load["label"]] = {  # the scalars of every run, not the per-request lists
-                    name: [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rs]
-                    for name, rs in runs.items()}
-                rows.append(level_row(load["label"], runs, drafted))
-                row = rows[-1]
-                print(f"{load['label']}: throughput alone {row['alone_output_throughput']:.1f}, "
-                      f"policy {row['policy_output_throughput']:.1f}, "
-                      f"fixed {row['fixed_output_throughput']:.1f} tok/s; drafted "
-                      f"{drafted['policy'] or 0:.2f} / {drafted['fixed'] or 0:.2f}", flush=True)
-        except Exception:
-            for name, server in servers.items():  # a server that died: its log says why
-                if server.poll() is not None:
-                    print(exit_report(name, server, work / f"{name}.log"), file=sys.stderr)
-            raise
-        finally:
-            for server in servers.values():
-                try:
-                    os.killpg(server.pid, signal.SIGINT)
-                except ProcessLookupError:  # already gone
-                    pass
-            for server in servers.values():
-                try:
-                    server.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(server.pid, signal.SIGKILL)
+        for k in range(args.repeats):
+            names = [n for n in PORTS if n != "fixed" or k < args.fixed_repeats]
+            with serving(start_order(names, k), target, specs, work):
+                for name in names:
+                    bench(name, target, dataset, {"label": "warmup", "concurrency": 2,
+                                                  "num_prompts": args.warmup_prompts}, args, work)
+                for i, load in enumerate(levels):
+                    before = {name: counters(name) for name in ARMS if name in names}
+                    for name in rotation(names, i, k):
+                        runs[load["label"]][name].append(bench(name, target, dataset, load, args, work))
+                    for name, counts in before.items():
+                        total = deltas[load["label"]].setdefault(name, dict.fromkeys(counts, 0.0))
+                        for key, value in counters(name).items():
+                            total[key] += value - counts[key]
+                    print(f"repeat {k + 1}/{args.repeats}, {load['label']}: " + ", ".join(
+                        f"{name} {runs[load['label']][name][-1]['output_throughput']:.1f}"
+                        for name in names) + " tok/s", flush=True)
+    rows = [level_row(label, runs[label], {arm: drafted_fraction(d, dict.fromkeys(d, 0.0))
+                                           for arm, d in deltas[label].items()})
+            for label in runs]
+    raw = {label: {name: [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rs]
+                   for name, rs in by_name.items()}  # the scalars of every run
+           for label, by_name in runs.items()}
 
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)

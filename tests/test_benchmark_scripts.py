@@ -69,3 +69,11 @@ def test_qps_sweep_order_rotates_per_load_and_reverses_per_repeat():
     assert qps.rotation(names, 1, 0) == ["policy", "fixed", "alone"]
     firsts = {qps.rotation(names, level, 0)[0] for level in range(3)}
     assert firsts == set(names)
+
+
+def test_qps_sweep_start_order_alternates_so_each_server_starts_last_as_often():
+    qps = _load_script("qps_sweep")
+    names = ["alone", "policy"]
+    orders = [qps.start_order(names, k) for k in range(4)]
+    assert orders[0] == names and orders[1] == names[::-1]
+    assert sorted(order[-1] for order in orders) == ["alone", "alone", "policy", "policy"]

@@ -211,6 +211,34 @@ def test_resume_refuses_other_settings(tmp_path, prompts_file, target_dir, share
                      data_dir=shared_data_dir, generator=never_generate)
 
 
+def test_a_recipe_with_two_datasets_trains_on_both(tmp_path, prompts_file, target_dir, shared_data_dir):
+    """Each dataset is built in its own data/part<i> (one built before is reused by linking it
+    there); the drafter trains on all their positions, each part keeping its held-out split."""
+    from vllm_redrafter.train.distill import concat_data, load_data
+
+    base = small_recipe(prompts_file, max_steps=4)
+    recipe = replace(base, extra_data=(replace(base.data, response_tokens=RESPONSE // 2),))
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "part1").symlink_to(shared_data_dir)
+    record = run_training(recipe, target_dir, tmp_path / "out", data_dir=data_dir,
+                          generator=stub_generate)
+    one, two = load_data(shared_data_dir), load_data(data_dir / "part2")
+    assert two.num_positions == 8 * (RESPONSE // 2)
+    assert record["finished"] and record["data"]["num_positions"] == one.num_positions + two.num_positions
+    assert [p["fingerprint"] for p in record["data"]["parts"]] == [one.meta["fingerprint"],
+                                                                   two.meta["fingerprint"]]
+    both = concat_data([one, two])
+    n = one.num_positions
+    assert (both.h[n:] == two.h).all() and (both.h[:n] == one.h).all()
+    assert torch.equal(both.sequence[n:], two.sequence + 8) and torch.equal(both.heldout[n:], two.heldout)
+    assert torch.equal(both.token_counts, one.token_counts + two.token_counts)
+    # settings apply to every dataset; a dataset given, or --builtin counts, replace them all
+    assert all(d.response_tokens == 7
+               for d in with_overrides(recipe, data=dict(response_tokens=7)).datasets)
+    assert with_overrides(recipe, data=dict(dataset="x.jsonl")).extra_data == ()
+
+
 # -- nothing trained is overwritten; bad input ---------------------------------------------------------
 
 
@@ -318,6 +346,19 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
     assert not leaked, f"built-in prompts repeat MT-Bench questions: {leaked[:3]}"
 
 
+def test_shipped_drafter_fits_its_budget_and_is_the_default_recipes(target_dir):
+    """The package's drafter: at most 20 MB, and made by ``train --recipe default`` as it stands
+    (its recorded run fingerprint is the recipe's: data, drafter shape and training settings)."""
+    import vllm_redrafter
+    from vllm_redrafter.train.pipeline import run_fingerprint
+
+    shipped = Path(vllm_redrafter.__file__).parent / "default_drafter"
+    assert (shipped / "model.safetensors").stat().st_size <= 20_000_000
+    record = json.loads((shipped / "training.json").read_text())
+    assert record["recipe"] == "default" and record["finished"]
+    assert record["fingerprint"] == run_fingerprint(get_recipe("default"), target_dir)
+
+
 # -- the draft vocabulary ------------------------------------------------------------------------------
 
 
@@ -365,6 +406,7 @@ def test_cli_parser_overrides_the_recipe():
     builtin = recipe_from_args(args).data.builtin
     default_text = get_recipe("default").data.builtin.text
     assert (builtin.templated, builtin.documents, builtin.text) == (150, 90, default_text)
+    assert recipe_from_args(args).extra_data == ()  # one built-in dataset with these counts
     with pytest.raises(SystemExit):  # argparse: one error line naming the bad source
         parser.parse_args(["train", "--output-dir", "x", "--builtin", "poems=3"])
 

@@ -25,10 +25,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="target model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dataset", default=None,
                    help="dataset file (.jsonl/.json chat, ShareGPT, prompt, text or input_ids; or "
-                        "plain text), or 'builtin' (local prompts, see train/prompts.py)")
+                        "plain text), or 'builtin' (local prompts, see train/prompts.py); replaces "
+                        "the recipe's datasets")
     p.add_argument("--builtin", type=_builtin_counts, default=None,
                    help="the built-in dataset's prompts per source, e.g. templated=150,documents=90 "
-                        "(sources: templated, text, self_instruct, documents, constrained, detailed; and seed)")
+                        "(sources: templated, text, self_instruct, documents, constrained, detailed; and "
+                        "seed): one built-in dataset, the recipe's first with these counts")
     p.add_argument("--output-dir", type=Path, required=True, help="where the drafter is written")
     p.add_argument("--overwrite", action="store_true", help="replace a drafter/run in --output-dir")
     p.add_argument("--labels", choices=("self", "distill", "ground-truth"), default=None,
@@ -86,8 +88,8 @@ def recipe_from_args(args: argparse.Namespace):
     if vocab == "full":
         recipe = replace(recipe, drafter=replace(recipe.drafter, draft_vocab_size=None))
     if args.builtin:
-        builtin = replace(recipe.data.builtin, **args.builtin)
-        recipe = replace(recipe, data=replace(recipe.data, builtin=builtin))
+        builtin = replace(recipe.data.builtin, **args.builtin)  # one built-in dataset
+        recipe = replace(recipe, data=replace(recipe.data, builtin=builtin), extra_data=())
     return recipe
 
 

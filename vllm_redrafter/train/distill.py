@@ -421,5 +421,32 @@ def load_data(data_dir: str | Path) -> DistillData:
                        t=arrays.get("t"))
 
 
+def concat_data(parts: Sequence[DistillData]) -> DistillData:
+    """Several built datasets as one, positions in order (each part keeps its held-out split).
+
+    The hidden states are copied into memory (``h`` of all parts together, float16).
+    """
+    if len(parts) == 1:
+        return parts[0]
+    T = {p.labels.shape[1] for p in parts}
+    H = {p.h.shape[1] for p in parts}
+    if len(T) > 1 or len(H) > 1:
+        raise ValueError(f"datasets to train on together differ in T (draft tokens {sorted(T)}) or "
+                         f"hidden size {sorted(H)}")
+    offsets = np.cumsum([0] + [p.meta["num_sequences"] for p in parts[:-1]]).tolist()
+    meta = {key: sum(p.meta[key] for p in parts)
+            for key in ("num_positions", "num_sequences", "num_tokens")}
+    meta.update(hidden_size=H.pop(), vocab_size=parts[0].meta["vocab_size"],
+                parts=[p.meta for p in parts])
+    has_t = all(p.t is not None for p in parts)
+    return DistillData(
+        h=np.concatenate([p.h for p in parts]),
+        g0=torch.cat([p.g0 for p in parts]), labels=torch.cat([p.labels for p in parts]),
+        sequence=torch.cat([p.sequence + o for p, o in zip(parts, offsets)]),
+        heldout=torch.cat([p.heldout for p in parts]),
+        token_counts=torch.stack([p.token_counts for p in parts]).sum(0), meta=meta,
+        t=torch.cat([p.t for p in parts]) if has_t else None)
+
+
 def _jsonable(obj):
     return json.loads(json.dumps(obj, default=str))

@@ -7,7 +7,8 @@ Output directory layout:
     OUTPUT/training.json                    the command, recipe, data size, times, figures
     OUTPUT/work/checkpoint.pt               resumable training state
     OUTPUT/work/run.json                    what the checkpoint belongs to (target, fingerprint)
-    OUTPUT/work/data/                       the distillation dataset (a cache, reused on resume)
+    OUTPUT/work/data/                       the distillation dataset (a cache, reused on resume;
+                                            with several datasets, data/part1, data/part2, ...)
 
 Nothing trained is ever replaced without ``overwrite``; a directory holding another model's
 drafter, or something that is not a drafter, is refused.
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from vllm_redrafter.drafter import DrafterConfig, DrafterMismatchError, RecurrentDrafter
-from vllm_redrafter.train.distill import DistillData, build_data, data_fingerprint
+from vllm_redrafter.train.distill import DistillData, build_data, concat_data, data_fingerprint
 from vllm_redrafter.train.generate import Generator
 from vllm_redrafter.train.recipes import DrafterSpec, Recipe
 from vllm_redrafter.train.trainer import evaluate, format_eval, train_loop, write_json
@@ -54,7 +55,8 @@ def run_fingerprint(recipe: Recipe, target_dir: Path) -> str:
         train.pop(key)
     if train["soft_label_weight"] == 0.0:  # off: the fingerprint of runs from before the option
         train.pop("soft_label_weight")
-    blob = json.dumps({"data": data_fingerprint(recipe.data, target_dir),
+    data = [data_fingerprint(spec, target_dir) for spec in recipe.datasets]
+    blob = json.dumps({"data": data[0] if len(data) == 1 else data,  # one: as before the option
                        "drafter": asdict(recipe.drafter), "train": train}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -205,8 +207,8 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
     started = time.time()
     train = recipe.train
     device = train.resolved_device()
-    data = build_data(recipe.data, target_dir, data_dir or output_dir / WORK / "data",
-                      generator=generator, device=str(device), rebuild_stale=data_dir is None)
+    data = build_datasets(recipe, target_dir, data_dir or output_dir / WORK / "data",
+                          generator=generator, device=str(device), rebuild_stale=data_dir is None)
     data_seconds = time.time() - started
     eos = AutoTokenizer.from_pretrained(target_dir).eos_token_id
     draft_ids = choose_draft_vocab(data, recipe.drafter, eos)
@@ -238,6 +240,16 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
     })
     write_json(output_dir / "training.json", record)
     return record
+
+
+def build_datasets(recipe: Recipe, target_dir: Path, data_dir: Path, **kwargs) -> DistillData:
+    """The recipe's dataset, or its datasets as one: each built in its own ``data_dir/part<i>``
+    (so a part built before, for another recipe, is reused by linking its directory there)."""
+    specs = recipe.datasets
+    if len(specs) == 1:
+        return build_data(specs[0], target_dir, data_dir, **kwargs)
+    return concat_data([build_data(spec, target_dir, Path(data_dir) / f"part{i}", **kwargs)
+                        for i, spec in enumerate(specs, start=1)])
 
 
 def _total(recipe: Recipe, data: DistillData) -> int:
