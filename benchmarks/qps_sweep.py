@@ -10,9 +10,11 @@ sends the same MT-Bench questions (first turn, the server applies the chat templ
 server, ``--repeats`` times with the order of the servers rotating and reversing, so that drift
 hits all alike; the servers are started anew for each repeat, one after another, in an order
 reversed every other repeat (identical engines differ by a few percent for their whole life, the
-later-started one faster in our measurement: use an even ``--repeats``). Per load and server, pooled over the repeats: output throughput (all tokens / all
-seconds), TTFT and TPOT (mean, median, p99 over every request), and for ReDrafter the fraction of
-request-steps that drafted (from the server's /metrics). Printed as a table, written as JSON with
+later-started one faster in our measurement: use an even ``--repeats``; with an odd
+``--fixed-repeats`` the policy-off server starts last more often). Per load and server, pooled
+over the repeats: output throughput (all tokens / all seconds), TTFT and TPOT (mean, median,
+p99 over every request), and for ReDrafter the fraction of request-steps that drafted (from the
+server's /metrics). Printed as a table, written as JSON with
 every run's scalars, and drawn as ratios to vLLM alone vs load. Measure the step cost first
 (``benchmarks/step_cost.py``): without it the policy is off. ``--step-cost FILE`` gives the policy
 another curve (one that makes every extra token ruinous measures what a server that never drafts
@@ -39,6 +41,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -122,9 +125,9 @@ def counters(name: str) -> dict[str, float]:
             "vllm:generation_tokens_total"))
 
 
-def drafted_fraction(after: dict, before: dict) -> float | None:
-    """Request-steps that carried drafts / all request-steps (each emits 1 + its accepted)."""
-    delta = {k: after[k] - before[k] for k in after}
+def drafted_fraction(delta: dict[str, float]) -> float | None:
+    """Request-steps that carried drafts / all request-steps (each emits 1 + its accepted),
+    from the growth of a server's counters over the runs of one load."""
     steps = (delta["vllm:generation_tokens_total"]
              - delta["vllm:spec_decode_num_accepted_tokens_total"])
     return delta["vllm:spec_decode_num_drafts_total"] / steps if steps > 0 else None
@@ -144,7 +147,8 @@ def start_order(names: list[str], repeat: int) -> list[str]:
 
 @contextmanager
 def serving(order: list[str], target: str, specs: dict, work: Path) -> Iterator[None]:
-    """The servers of ``order``, each started after the one before is healthy; stopped on exit."""
+    """The servers of ``order``, each started after the one before is healthy; stopped on exit
+    (all their processes gone, so the next repeat starts on free ports and idle cores)."""
     servers: dict[str, subprocess.Popen] = {}
     try:
         for name in order:
@@ -159,15 +163,25 @@ def serving(order: list[str], target: str, specs: dict, work: Path) -> Iterator[
         raise
     finally:
         for server in servers.values():
+            stop(server)
+
+
+def stop(server: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGINT to the server's process group, SIGKILL after ``timeout``; returns when the whole
+    group (API server, engine core, workers) has exited."""
+    for sig in (signal.SIGINT, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            server.poll()  # reap the leader, or the group never empties
             try:
-                os.killpg(server.pid, signal.SIGINT)
-            except ProcessLookupError:  # already gone
-                pass
-        for server in servers.values():
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+                os.killpg(server.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
 
 
 def rotation(names: list[str], level: int, repeat: int) -> list[str]:
@@ -259,6 +273,68 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['load']:>8} | {tput:>36} | {tpot:>34} | {p99:>20} | {ratio:>18} | {drafted}")
 
 
+@dataclass
+class Sweep:
+    """What every run shares, and what the runs measured so far."""
+
+    args: argparse.Namespace
+    target: str
+    specs: dict
+    levels: list[dict]
+    work: Path
+    runs: dict = field(init=False)  # load label -> server -> its ``vllm bench serve`` results
+    deltas: dict = field(init=False)  # load label -> arm -> growth of its /metrics counters
+
+    def __post_init__(self) -> None:
+        self.runs = {load["label"]: {name: [] for name in PORTS} for load in self.levels}
+        self.deltas = {load["label"]: {} for load in self.levels}
+
+    @property
+    def dataset(self) -> Path:
+        return self.work / "prompts.json"
+
+    def run_repeat(self, k: int) -> None:
+        """Repeat ``k``: its servers started anew, warmed up, then every load in turn."""
+        args = self.args
+        names = [n for n in PORTS if n != "fixed" or k < args.fixed_repeats]
+        with serving(start_order(names, k), self.target, self.specs, self.work):
+            warmup = {"label": "warmup", "concurrency": 2, "num_prompts": args.warmup_prompts}
+            for name in names:
+                bench(name, self.target, self.dataset, warmup, args, self.work)
+            for i, load in enumerate(self.levels):
+                runs = self.runs[load["label"]]
+                before = {name: counters(name) for name in ARMS if name in names}
+                for name in rotation(names, i, k):
+                    runs[name].append(bench(name, self.target, self.dataset, load, args, self.work))
+                for name, counts in before.items():
+                    total = self.deltas[load["label"]].setdefault(name, dict.fromkeys(counts, 0.0))
+                    for key, value in counters(name).items():
+                        total[key] += value - counts[key]
+                print(f"repeat {k + 1}/{args.repeats}, {load['label']}: " + ", ".join(
+                    f"{name} {runs[name][-1]['output_throughput']:.1f}" for name in names)
+                    + " tok/s", flush=True)
+
+    def rows(self) -> list[dict]:
+        return [level_row(label, runs, {arm: drafted_fraction(delta)
+                                        for arm, delta in self.deltas[label].items()})
+                for label, runs in self.runs.items()]
+
+    def write_results(self) -> None:
+        """The JSON (every run's scalars too) and the plot of what was measured so far."""
+        args, rows = self.args, self.rows()
+        raw = {label: {name: [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rs]
+                       for name, rs in by_name.items()}
+               for label, by_name in self.runs.items()}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}
+        args.out.write_text(json.dumps({
+            "machine": machine(), "vllm_cpu_env": vllm_env, "specs": self.specs,
+            "loads": self.levels, "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "fixed_repeats": args.fixed_repeats, "warmup_prompts": args.warmup_prompts,
+            "rows": rows, "raw": raw}, indent=1, default=str))
+        plot(rows, args.out.with_suffix(".png"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
@@ -281,6 +357,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "qps_sweep.json")
     args = parser.parse_args()
+    if args.repeats < 1 or (args.fixed_repeats is not None and args.fixed_repeats < 1):
+        parser.error("--repeats and --fixed-repeats must be at least 1")
     if args.fixed_repeats is None or args.fixed_repeats > args.repeats:
         args.fixed_repeats = args.repeats
 
@@ -294,52 +372,17 @@ def main() -> None:
                    "beam_policy": "auto" if arm == "policy" else "fixed"} for arm in ARMS}
     if args.step_cost is not None:
         specs["policy"]["step_cost"] = str(args.step_cost.resolve())
-    levels = loads(args)
     questions = first_turns(args.prompts or find_mt_bench(), NUM_QUESTIONS)
-    runs = {load["label"]: {name: [] for name in PORTS} for load in levels}
-    deltas = {load["label"]: {} for load in levels}  # the arms' /metrics counters, summed
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        dataset = work / "prompts.json"  # ShareGPT's format (read without pandas)
-        dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": q},
-                                                          {"from": "gpt", "value": ""}]}
-                                       for q in questions]))
+        sweep = Sweep(args, target, specs, loads(args), Path(tmp))
+        sweep.dataset.write_text(json.dumps([  # ShareGPT's format (read without pandas)
+            {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": ""}]}
+            for q in questions]))
         for k in range(args.repeats):
-            names = [n for n in PORTS if n != "fixed" or k < args.fixed_repeats]
-            with serving(start_order(names, k), target, specs, work):
-                for name in names:
-                    bench(name, target, dataset, {"label": "warmup", "concurrency": 2,
-                                                  "num_prompts": args.warmup_prompts}, args, work)
-                for i, load in enumerate(levels):
-                    before = {name: counters(name) for name in ARMS if name in names}
-                    for name in rotation(names, i, k):
-                        runs[load["label"]][name].append(bench(name, target, dataset, load, args, work))
-                    for name, counts in before.items():
-                        total = deltas[load["label"]].setdefault(name, dict.fromkeys(counts, 0.0))
-                        for key, value in counters(name).items():
-                            total[key] += value - counts[key]
-                    print(f"repeat {k + 1}/{args.repeats}, {load['label']}: " + ", ".join(
-                        f"{name} {runs[load['label']][name][-1]['output_throughput']:.1f}"
-                        for name in names) + " tok/s", flush=True)
-    rows = [level_row(label, runs[label], {arm: drafted_fraction(d, dict.fromkeys(d, 0.0))
-                                           for arm, d in deltas[label].items()})
-            for label in runs]
-    raw = {label: {name: [{k: v for k, v in r.items() if not isinstance(v, list)} for r in rs]
-                   for name, rs in by_name.items()}  # the scalars of every run
-           for label, by_name in runs.items()}
-
-    print_table(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}
-    args.out.write_text(json.dumps({"machine": machine(), "vllm_cpu_env": vllm_env,
-                                    "specs": specs, "loads": levels,
-                                    "max_tokens": args.max_tokens, "repeats": args.repeats,
-                                    "fixed_repeats": args.fixed_repeats,
-                                    "warmup_prompts": args.warmup_prompts, "rows": rows, "raw": raw},
-                                   indent=1, default=str))
-    plot(rows, args.out.with_suffix(".png"))
+            sweep.run_repeat(k)
+            sweep.write_results()  # after each repeat: a later failure keeps what was measured
+    print_table(sweep.rows())
     print(f"\nJSON and plot: {args.out.with_suffix('')}.*")
-
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,7 @@ def test_benchmark_help(script: Path):
 def _load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS[0].parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -77,3 +78,36 @@ def test_qps_sweep_start_order_alternates_so_each_server_starts_last_as_often():
     orders = [qps.start_order(names, k) for k in range(4)]
     assert orders[0] == names and orders[1] == names[::-1]
     assert sorted(order[-1] for order in orders) == ["alone", "alone", "policy", "policy"]
+
+
+def test_qps_sweep_results_pair_each_arm_with_vllm_alone_of_the_same_repeat(tmp_path):
+    """Two repeats, the policy-off server in the first only: rows, ratios per repeat, drafted
+    fractions from the summed counters, and the JSON written."""
+    import argparse
+    import json
+
+    qps = _load_script("qps_sweep")
+
+    def run(tokens: int, seconds: float) -> dict:
+        return {"duration": seconds, "total_output_tokens": tokens, "output_throughput": tokens / seconds,
+                "output_lens": [tokens // 2] * 2,
+                "ttfts": [0.1, 0.2], "latencies": [1.0, 2.0], "errors": ["", ""]}
+
+    args = argparse.Namespace(out=tmp_path / "sweep.json", max_tokens=64, repeats=2,
+                              fixed_repeats=1, warmup_prompts=4)
+    sweep = qps.Sweep(args, "target", {}, [{"label": "c1", "concurrency": 1}], tmp_path)
+    sweep.runs["c1"] = {"alone": [run(100, 10.0), run(100, 8.0)],
+                        "policy": [run(100, 5.0), run(100, 8.0)], "fixed": [run(100, 20.0)]}
+    for arm, drafts in (("policy", 30.0), ("fixed", 50.0)):
+        sweep.deltas["c1"][arm] = {"vllm:spec_decode_num_drafts_total": drafts,
+                                   "vllm:spec_decode_num_accepted_tokens_total": 50.0,
+                                   "vllm:generation_tokens_total": 150.0}
+    (row,) = sweep.rows()
+    assert row["policy_throughput_ratio_per_repeat"] == [2.0, 1.0]
+    assert row["fixed_throughput_ratio_per_repeat"] == [0.5]  # paired with alone's first repeat
+    assert row["policy_throughput_ratio"] == pytest.approx(18.0 / 13.0)
+    assert (row["policy_drafted_fraction"], row["fixed_drafted_fraction"]) == (0.3, 0.5)
+    sweep.write_results()
+    written = json.loads(args.out.read_text())
+    assert written["rows"][0]["load"] == "c1" and len(written["raw"]["c1"]["alone"]) == 2
+    assert args.out.with_suffix(".png").is_file()

@@ -239,6 +239,25 @@ def test_a_recipe_with_two_datasets_trains_on_both(tmp_path, prompts_file, targe
     assert with_overrides(recipe, data=dict(dataset="x.jsonl")).extra_data == ()
 
 
+def test_switching_between_one_and_several_datasets_keeps_the_wanted_build(
+        tmp_path, prompts_file, target_dir, shared_data_dir):
+    """A run's own data cache in the other layout: the build this recipe wants moves into place
+    (one build -> data/part1, and back), nothing is generated again, the rest is cleared."""
+    import shutil
+
+    one = small_recipe(prompts_file, max_steps=2)
+    two = replace(one, extra_data=(replace(one.data, response_tokens=RESPONSE // 2),))
+    out = tmp_path / "run"
+    data = out / "work" / "data"
+    shutil.copytree(shared_data_dir, data)  # as a one-dataset run left it
+    built = (data / "h.f16").stat().st_mtime_ns
+    run_training(two, target_dir, out, generator=stub_generate)  # generates part 2 only
+    assert (data / "part1" / "h.f16").stat().st_mtime_ns == built
+    assert not (data / "h.f16").exists() and (data / "part2" / "h.f16").is_file()
+    run_training(one, target_dir, out, overwrite=True, generator=never_generate)
+    assert (data / "h.f16").stat().st_mtime_ns == built and not list(data.glob("part*"))
+
+
 # -- nothing trained is overwritten; bad input ---------------------------------------------------------
 
 
@@ -479,5 +498,9 @@ def test_soft_labels_refuse_distill_labels(tmp_path, target_dir):
                             train=dict(max_steps=2, soft_label_weight=0.5))
     with pytest.raises(ValueError, match="labels=distill"):
         run_training(recipe, target_dir, tmp_path / "out", generator=continuation)
+    joined = replace(recipe, data=replace(recipe.data, labels="ground-truth"),
+                     extra_data=(recipe.data,))
+    with pytest.raises(ValueError, match="labels=distill"):  # in any of several datasets
+        run_training(joined, target_dir, tmp_path / "joined", generator=continuation)
     with pytest.raises(ValueError, match="soft_label_weight"):
         TrainConfig(soft_label_weight=1.5)

@@ -85,7 +85,8 @@ class DataSpec:
 
 @dataclass
 class DistillData:
-    """The built dataset, N positions; ``h`` is a read-only float16 memory map."""
+    """The built dataset, N positions; ``h`` is a read-only float16 memory map (in memory when
+    several datasets are joined, :func:`concat_data`)."""
 
     h: np.ndarray  # [N, H] float16
     g0: torch.Tensor  # [N] long: the root token at t
@@ -430,14 +431,14 @@ def concat_data(parts: Sequence[DistillData]) -> DistillData:
         return parts[0]
     T = {p.labels.shape[1] for p in parts}
     H = {p.h.shape[1] for p in parts}
-    if len(T) > 1 or len(H) > 1:
-        raise ValueError(f"datasets to train on together differ in T (draft tokens {sorted(T)}) or "
-                         f"hidden size {sorted(H)}")
+    V = {p.meta["vocab_size"] for p in parts}
+    if len(T) > 1 or len(H) > 1 or len(V) > 1:
+        raise ValueError(f"datasets to train on together differ in T (draft tokens {sorted(T)}), "
+                         f"hidden size {sorted(H)} or vocab size {sorted(V)}")
     offsets = np.cumsum([0] + [p.meta["num_sequences"] for p in parts[:-1]]).tolist()
     meta = {key: sum(p.meta[key] for p in parts)
             for key in ("num_positions", "num_sequences", "num_tokens")}
-    meta.update(hidden_size=H.pop(), vocab_size=parts[0].meta["vocab_size"],
-                parts=[p.meta for p in parts])
+    meta.update(hidden_size=H.pop(), vocab_size=V.pop(), parts=[p.meta for p in parts])
     has_t = all(p.t is not None for p in parts)
     return DistillData(
         h=np.concatenate([p.h for p in parts]),

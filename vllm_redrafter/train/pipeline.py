@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -242,14 +243,51 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
     return record
 
 
-def build_datasets(recipe: Recipe, target_dir: Path, data_dir: Path, **kwargs) -> DistillData:
-    """The recipe's dataset, or its datasets as one: each built in its own ``data_dir/part<i>``
-    (so a part built before, for another recipe, is reused by linking its directory there)."""
-    specs = recipe.datasets
+def build_datasets(recipe: Recipe, target_dir: Path, data_dir: Path, *,
+                   generator: Generator | None = None, device: str = "cpu",
+                   rebuild_stale: bool = False) -> DistillData:
+    """The recipe's dataset in ``data_dir``, or its datasets as one, each built in its own
+    ``data_dir/part<i>`` (a build made elsewhere can be reused by linking it there).
+
+    ``rebuild_stale`` (the run's own OUTPUT/work/data): a dir left in the other layout by an
+    earlier run is rearranged first, a build that is one of this recipe's datasets kept.
+    """
+    specs, data_dir = recipe.datasets, Path(data_dir)
+    if rebuild_stale:
+        relayout_data_dir(data_dir, [data_fingerprint(spec, target_dir) for spec in specs])
+    kwargs = dict(generator=generator, device=device, rebuild_stale=rebuild_stale)
     if len(specs) == 1:
         return build_data(specs[0], target_dir, data_dir, **kwargs)
-    return concat_data([build_data(spec, target_dir, Path(data_dir) / f"part{i}", **kwargs)
+    return concat_data([build_data(spec, target_dir, data_dir / f"part{i}", **kwargs)
                         for i, spec in enumerate(specs, start=1)])
+
+
+def relayout_data_dir(data_dir: Path, fingerprints: list[str]) -> None:
+    """Turn one build into parts or parts into one build: the build whose fingerprint is wanted
+    moves where this run looks for it (one dataset: ``data_dir``, several: ``part<i>``); the
+    other builds of the old layout are deleted (the dir is the run's own cache)."""
+    stamp, parts = data_dir / "fingerprint", sorted(data_dir.glob("part*"))
+    if len(fingerprints) > 1 and stamp.is_file():  # one build -> parts
+        files = [f for f in data_dir.iterdir() if not f.name.startswith("part")]
+        if stamp.read_text() in fingerprints:
+            dest = data_dir / f"part{fingerprints.index(stamp.read_text()) + 1}"
+            if not dest.exists():
+                dest.mkdir()
+                for f in files:
+                    f.rename(dest / f.name)
+                return
+        for f in files:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    elif len(fingerprints) == 1 and parts and not stamp.is_file():  # parts -> one build
+        keep = next((d for d in parts if not d.is_symlink() and (d / "fingerprint").is_file()
+                     and (d / "fingerprint").read_text() == fingerprints[0]), None)
+        for d in parts:  # a linked build is unlinked, never deleted
+            if d is not keep:
+                d.unlink() if d.is_symlink() else shutil.rmtree(d)
+        if keep is not None:
+            for f in list(keep.iterdir()):
+                f.rename(data_dir / f.name)
+            keep.rmdir()
 
 
 def _total(recipe: Recipe, data: DistillData) -> int:

@@ -28,8 +28,8 @@ from vllm_redrafter.train.distill import DistillData
 
 def soft_label_index(data: DistillData) -> Tensor:
     """[N, T] long: the position whose h gives the target's distribution over label k, -1 = none."""
-    mode = data.meta.get("spec", {}).get("labels")
-    if mode == "distill":
+    modes = {part.get("spec", {}).get("labels") for part in data.meta.get("parts", [data.meta])}
+    if "distill" in modes:
         raise ValueError("soft labels need labels=self or ground-truth: with labels=distill the "
                          "labels continue the target's generation, not the text the hidden states "
                          "were computed on")
