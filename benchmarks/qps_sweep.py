@@ -136,11 +136,11 @@ def drafted_fraction(delta: dict[str, float]) -> float | None:
 def start_order(names: list[str], repeat: int) -> list[str]:
     """The servers' start order in one repeat: reversed every other repeat.
 
-    Identical engines side by side on a CPU differ by a few percent for their whole life
-    (measured: 1.04x between two vLLM-alone engines, the later-started one faster; vLLM binds
-    and configures both alike, so it is the processes' memory, not vLLM), so one server start is
-    one sample: the servers start anew each repeat, in alternating order, and an even number of
-    repeats cancels the start-order part.
+    Identical engines side by side on a CPU differ by a few percent for their whole life, the
+    later-started one faster (measured: 1.04x between two vLLM-alone engines in one script, about
+    1.06x between servers here; vLLM binds and configures both alike, the cause lies outside it
+    and is not found), so the servers start anew each repeat, in alternating order, and an even
+    number of repeats cancels the start-order part.
     """
     return names[::-1] if repeat % 2 else list(names)
 
@@ -383,6 +383,7 @@ def main() -> None:
             sweep.write_results()  # after each repeat: a later failure keeps what was measured
     print_table(sweep.rows())
     print(f"\nJSON and plot: {args.out.with_suffix('')}.*")
+
 
 if __name__ == "__main__":
     main()
