@@ -11,11 +11,11 @@
     hidden states), about 25 min for (2) (estimated: the shipped checkpoint's part 2 was cut out
     of an earlier build that held these prompts, answers and hidden states), 22 min of training
     (2 epochs, 2,922 steps over 1.50M training positions, bf16 autocast); minutes on a GPU.
-    Held-out top-1 per draft position: 0.62 / 0.58 / 0.56 / 0.55 / 0.54; MT-Bench (reference
-    loop, 80 questions) W=4 L=4 1.88 tokens per step. Steps to it: 1.66 (4,178 prompts of three
-    kinds, 384-token answers, one epoch), 1.76 (a second epoch), 1.83 (dataset 1 alone, one ResBlock, K = 6,144), 1.84
-    (fewer of dataset 1's kinds plus the detailed requests, one ResBlock), 1.87 (the same data,
-    two ResBlocks), 1.88 (this recipe).
+    Held-out top-1 per draft position: 0.62 / 0.58 / 0.56 / 0.55 / 0.54; MT-Bench (reference loop,
+    80 questions) W=4 L=4 1.88 tokens per step. Steps to it: 1.66 (4,178 prompts of three kinds,
+    384-token answers, one epoch), 1.76 (a second epoch), 1.83 (dataset 1 alone, one ResBlock, K =
+    6,144), 1.84 (fewer of dataset 1's kinds plus the detailed requests, one ResBlock), 1.87 (the
+    same data, two ResBlocks), 1.88 (this recipe).
 ``medium``: about 360 built-in prompts and 300 steps, roughly 20 minutes on a 2-core CPU: a
     drafter that accepts something, for trying the vLLM integration before the default is built.
 ``quick``: the same pipeline on a tiny dataset, a few minutes on a CPU: what the tests run.
