@@ -393,6 +393,29 @@ def test_gpu_fused_select_fp32(vocab, dim, rows, width):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("vocab, dim, rows, width", [(32000, 8192, 256, 8), (128256, 8192, 64, 64)])
+def test_gpu_fused_select_bf16(vocab, dim, rows, width):
+    """bf16 drafters (the GPU default): logits rounded to bf16 as torch's Linear rounds them; the
+    accumulation order differs, so a logit may land one bf16 step away: ids are compared where
+    the reference's scores are more than a few such steps apart. (Triton's interpreter runs bf16
+    dots wrongly, so this check exists on the GPU only; the CPU tests cover the logic in fp32.)"""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(rows, dim, device="cuda", generator=gen) * 0.05).bfloat16()
+    weight = (torch.randn(vocab, dim, device="cuda", generator=gen) * 0.05).bfloat16()
+    score = torch.randn(rows // width, width, device="cuda", generator=gen)
+    for warp in (True, False):
+        top, parent, draft = fb.fused_select(x, weight, score, width, warp)
+        ref_top, ref_parent, ref_draft = fb.select_reference(x, weight, score, width, warp)
+        torch.testing.assert_close(top, ref_top, atol=0.02, rtol=0)
+        gap = 0.02  # ~5 bf16 steps at |logit| < 1
+        decided = torch.cat([ref_top[:, :-1] - ref_top[:, 1:] > gap, torch.ones_like(top[:, :1], dtype=torch.bool)], 1)
+        decided &= torch.cat([torch.ones_like(top[:, :1], dtype=torch.bool), ref_top[:, :-1] - ref_top[:, 1:] > gap], 1)
+        assert decided.any()
+        assert torch.equal(parent[decided], ref_parent[decided]) and torch.equal(draft[decided], ref_draft[decided])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_sample_tiled():
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(64, 128256, device="cuda", generator=gen) * 4
