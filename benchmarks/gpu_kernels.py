@@ -84,6 +84,10 @@ class Sizes:
     tree_sizes: tuple
     sample_vocabs: tuple
     sample_rows: tuple
+    tune_tree_shapes: tuple  # (B, C, T) of the tune section
+    tune_tree_block_m: tuple
+    tune_tree_block_n: tuple
+    tune_select_shapes: tuple  # (beam rows B*W, vocabulary, W) of the tune section
     rate_elements: int  # the copy test's bf16 elements
     rate_matmul: int  # the matmul test's n
 
@@ -98,6 +102,9 @@ GPU = Sizes(
     batches=(1, 8, 32), widths=(1, 8, 32, 64),
     tree_heads=(32, 8, 128), tree_batches=(1, 8), tree_contexts=(512, 2048), tree_sizes=(16, 64),
     sample_vocabs=(32000, 128256), sample_rows=(16, 64, 512),
+    tune_tree_shapes=((8, 2048, 64), (8, 512, 64), (1, 2048, 64)), tune_tree_block_m=(16, 32, 64, 128),
+    tune_tree_block_n=(32, 64, 128),
+    tune_select_shapes=((8, 32000, 1), (256, 32000, 8), (512, 128256, 64), (2048, 128256, 64)),
     rate_elements=2**29, rate_matmul=8192,
 )
 DRY_RUN = Sizes(
@@ -108,6 +115,8 @@ DRY_RUN = Sizes(
     batches=(1, 2), widths=(1, 4),
     tree_heads=(4, 2, 16), tree_batches=(1, 2), tree_contexts=(40,), tree_sizes=(8,),
     sample_vocabs=(1000,), sample_rows=(4,),
+    tune_tree_shapes=((2, 40, 8),), tune_tree_block_m=(16,), tune_tree_block_n=(16, 32),
+    tune_select_shapes=((8, 256, 4),),
     rate_elements=2**20, rate_matmul=256,
 )
 SIZES = GPU  # main() switches to DRY_RUN for --dry-run
@@ -263,14 +272,30 @@ def random_tree_mask(tree: int, gen: torch.Generator) -> torch.Tensor:
     return mask
 
 
+def tree_case(batch: int, context: int, tree: int, gen: torch.Generator) -> tuple[tuple, torch.Tensor]:
+    """Paged tree-attention inputs (q, key_cache, value_cache, block_table, cu_seqlens, context_lens,
+    mask_words) of B random trees of T tokens over C cached tokens each, and the [B, T, T] masks."""
+    from vllm_redrafter.kernels.tree_attention import pack_tree_mask
+
+    dev = SIZES.device
+    (hq, hkv, dim), block = SIZES.tree_heads, 16
+    blocks_per = -(-(context + tree) // block)
+    num_blocks = batch * blocks_per
+    kc = torch.randn(num_blocks, block, hkv, dim, device=dev, dtype=SIZES.dtype)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per).int().to(dev)
+    masks = torch.stack([random_tree_mask(tree, gen) for _ in range(batch)])
+    words = pack_tree_mask(masks, torch.full((batch,), tree)).to(dev)
+    cu = (torch.arange(batch + 1, dtype=torch.int32) * tree).to(dev)
+    ctx = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    q = torch.randn(batch * tree, hq, dim, device=dev, dtype=SIZES.dtype)
+    return (q, kc, vc, bt, cu, ctx, words), masks
+
+
 def bench_tree_attention(rates: dict, quick: bool) -> list[dict]:
     import torch.nn.functional as F
 
-    from vllm_redrafter.kernels.tree_attention import (
-        pack_tree_mask,
-        tree_attention_reference,
-        tree_attention_triton,
-    )
+    from vllm_redrafter.kernels.tree_attention import tree_attention_reference, tree_attention_triton
 
     dev = SIZES.device
     (hq, hkv, dim), block = SIZES.tree_heads, 16
@@ -280,18 +305,9 @@ def bench_tree_attention(rates: dict, quick: bool) -> list[dict]:
         for context in SIZES.tree_contexts:
             for tree in SIZES.tree_sizes:
                 total = context + tree
-                blocks_per = -(-total // block)
-                num_blocks = batch * blocks_per
-                kc = torch.randn(num_blocks, block, hkv, dim, device=dev, dtype=SIZES.dtype)
-                vc = torch.randn_like(kc)
-                bt = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per).int().to(dev)
-                masks = torch.stack([random_tree_mask(tree, gen) for _ in range(batch)])
-                words = pack_tree_mask(masks, torch.full((batch,), tree)).to(dev)
-                cu = (torch.arange(batch + 1, dtype=torch.int32) * tree).to(dev)
-                ctx = torch.full((batch,), context, dtype=torch.int32, device=dev)
-                q = torch.randn(batch * tree, hq, dim, device=dev, dtype=SIZES.dtype)
+                args, masks = tree_case(batch, context, tree, gen)
+                q, kc, vc, bt = args[:4]
                 out = torch.empty_like(q)
-                args = (q, kc, vc, bt, cu, ctx, words)
                 kernel_ms, g = timed(lambda: tree_attention_triton(
                     *args, max_tree_len=tree, max_kv_len=total, out=out))
                 err = (tree_attention_triton(*args).float() - tree_attention_reference(*args).float()).abs().max().item()
@@ -362,6 +378,71 @@ def bench_sampling(rates: dict, quick: bool) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------
+# block sizes of the two kernels that lost to torch in the first H100 run
+
+
+def bench_tune(rates: dict, quick: bool) -> list[dict]:
+    """Tree attention and the fused beam step over their block sizes, at the shapes where the
+    defaults lost to SDPA / torch (H100, 2026-11-26): which defaults to ship."""
+    from vllm_redrafter.kernels.fused_beam_step import fused_select, select_reference
+    from vllm_redrafter.kernels.tree_attention import tree_attention_triton
+
+    dev, rows = SIZES.device, []
+    gen = torch.Generator().manual_seed(1)
+    hkv, dim = SIZES.tree_heads[1:]
+    for batch, context, tree in SIZES.tune_tree_shapes:
+        args, _ = tree_case(batch, context, tree, gen)
+        total = context + tree
+        bound = bound_ms(2 * batch * total * hkv * dim * 2, 0, rates)
+        shape = f"B={batch} C={context} T={tree}"
+        for block_m in SIZES.tune_tree_block_m:
+            for block_n in SIZES.tune_tree_block_n:
+                for splits in (None, 1, 4, 16):
+                    kwargs = {"block_m": block_m, "block_n": block_n, "num_splits": splits}
+                    ms = try_timed(lambda: tree_attention_triton(
+                        *args, max_tree_len=tree, max_kv_len=total, **kwargs))
+                    rows.append({"kernel": "tune_tree_attention", "shape": shape, **kwargs, "ms": ms,
+                                 "bound_ms": bound, "ratio": ms / bound, "graph": True})
+        report_best(rows, "tune_tree_attention", shape)
+    for count, vocab, width in SIZES.tune_select_shapes:
+        dim_e = 2 * SIZES.drafters[next(iter(SIZES.drafters))][0]
+        x = torch.randn(count, dim_e, device=dev, dtype=SIZES.dtype) * 0.05
+        weight = torch.randn(vocab, dim_e, device=dev, dtype=SIZES.dtype) * 0.05
+        score = torch.randn(count // width, width, device=dev)
+        bound = bound_ms(vocab * dim_e * 2, 2 * count * vocab * dim_e, rates)
+        shape = f"rows={count} V={vocab} E={dim_e} W={width}"
+        torch_ms = try_timed(lambda: select_reference(x, weight, score, width))
+        rows.append({"kernel": "tune_select_torch", "shape": shape, "ms": torch_ms, "bound_ms": bound,
+                     "ratio": torch_ms / bound, "graph": True})
+        for block_m in (16, 32, 64):
+            for block_n in (64, 128, 256):
+                for block_k in (32, 64, 128):
+                    kwargs = {"block_m": block_m, "block_n": block_n, "block_k": block_k}
+                    ms = try_timed(lambda: fused_select(x, weight, score, width, **kwargs))
+                    rows.append({"kernel": "tune_fused_select", "shape": shape, **kwargs, "ms": ms,
+                                 "bound_ms": bound, "ratio": ms / bound, "graph": True})
+        print(f"select {shape}: torch {torch_ms:.4f} ms", flush=True)
+        report_best(rows, "tune_fused_select", shape)
+    return rows
+
+
+def try_timed(fn) -> float:
+    """ms of fn (5 graph replays), inf where the configuration fails (e.g. out of shared memory)."""
+    try:
+        return timed(fn, iters=5)[0]
+    except Exception as err:  # noqa: BLE001 - a failing configuration is a result too
+        print(f"  (failed: {type(err).__name__}: {str(err)[:100]})")
+        return float("inf")
+
+
+def report_best(rows: list[dict], kernel: str, shape: str) -> None:
+    mine = sorted((r for r in rows if r["kernel"] == kernel and r["shape"] == shape), key=lambda r: r["ms"])
+    for r in mine[:3]:
+        print(f"{kernel} {shape}: {r['ms']:.4f} ms with "
+              f"{ {k: v for k, v in r.items() if k.startswith(('block', 'num_splits'))} }", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
 # one ReDrafter step: plain step, draft, pack, verify
 
 
@@ -420,7 +501,8 @@ class RandomTarget:
         cu = torch.nn.functional.pad(num_packed.cumsum(0), (1, 0)).int().to(dev)
         context = torch.full((batch,), CONTEXT, dtype=torch.int32, device=dev)
         x = torch.randn(tokens, shape.hidden, device=dev, dtype=SIZES.dtype)
-        ms, graph = timed(lambda: self.forward(x, cu, context, words.to(dev), max_tree), iters=10)
+        words = words.to(dev)  # outside the timed call: a host-to-device copy breaks graph capture
+        ms, graph = timed(lambda: self.forward(x, cu, context, words, max_tree), iters=10)
         kv_bytes = shape.layers * batch * (CONTEXT + max_tree) * shape.kv_heads * shape.head_dim * 4
         flops = tokens * (self.weight_bytes + 2 * shape.layers * shape.q_heads * (CONTEXT + max_tree) * shape.head_dim * 2)
         return ms, bound_ms(self.weight_bytes + kv_bytes, flops, rates), graph
@@ -450,7 +532,7 @@ def bench_step(rates: dict, quick: bool, beam_rows: list[dict]) -> list[dict]:
         for batch in SIZES.batches[:2] if quick else SIZES.batches:
             target = RandomTarget(shape, batch, max_tree)
             one = torch.ones(batch, dtype=torch.long)
-            plain_ms, plain_bound, _ = target.time_step(one, pack_tree_mask(torch.ones(batch, 1, 1, dtype=torch.bool), one), rates)
+            plain_ms, plain_bound, plain_graph = target.time_step(one, pack_tree_mask(torch.ones(batch, 1, 1, dtype=torch.bool), one), rates)
             print(f"{target_name} B={batch}: plain step {plain_ms:.3f} ms (bound {plain_bound:.3f})", flush=True)
             for drafter_name, (hidden, vocab, draft_vocab) in drafters.items():
                 drafter = make_drafter(hidden, vocab, draft_vocab)
@@ -460,8 +542,9 @@ def bench_step(rates: dict, quick: bool, beam_rows: list[dict]) -> list[dict]:
                     pack_ms, _ = timed(lambda: pack(beams), graph=False)
                     num_packed, words = pack(beams)
                     drafted = draft_ms(beam_rows, drafter_name, batch, width)
-                    if drafted is None:
-                        drafted = timed(lambda: beam_search_fused(drafter, h, g0, width, LENGTH))[0]
+                    if drafted is None:  # the beam section did not run: time the faster path here
+                        drafted = min(timed(lambda: search(drafter, h, g0, width, LENGTH))[0]
+                                      for search in (beam_search, beam_search_fused))
                     verify_ms, verify_bound, graph = target.time_step(num_packed.cpu(), words, rates)
                     c = (drafted + pack_ms + verify_ms) / plain_ms
                     rows.append({
@@ -471,6 +554,7 @@ def bench_step(rates: dict, quick: bool, beam_rows: list[dict]) -> list[dict]:
                         "verify_tokens": int(num_packed.sum()), "plain_ms": plain_ms,
                         "plain_bound_ms": plain_bound, "draft_ms": drafted, "pack_ms": pack_ms,
                         "verify_ms": verify_ms, "verify_bound_ms": verify_bound, "graph": graph,
+                        "plain_graph": plain_graph,
                         "verify_over_plain": verify_ms / plain_ms, "c": c,
                     })
                     print(f"  {drafter_name} W={width}: T {num_packed.float().mean():.1f}, draft {drafted:.3f} ms, "
@@ -515,7 +599,7 @@ def print_step_table(rows: list[dict]) -> None:
               f"{r['verify_ms']:.3f} | {r['verify_over_plain']:.2f} | {r['c']:.2f} |")
 
 
-SECTIONS = ("tree", "sampling", "beam", "step")
+SECTIONS = ("tree", "sampling", "beam", "step", "tune")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -549,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     failed: dict[str, str] = {}
     benches = {"tree": bench_tree_attention, "sampling": bench_sampling, "beam": bench_beam_search,
-               "step": lambda r, q: bench_step(r, q, rows)}
+               "step": lambda r, q: bench_step(r, q, rows), "tune": bench_tune}
     for section in [s for s in SECTIONS if s in (args.only or SECTIONS)]:
         try:
             with torch.no_grad():
