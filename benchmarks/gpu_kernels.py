@@ -104,7 +104,7 @@ GPU = Sizes(
     sample_vocabs=(32000, 128256), sample_rows=(16, 64, 512),
     tune_tree_shapes=((8, 2048, 64), (8, 512, 64), (1, 2048, 64)), tune_tree_block_m=(16, 32, 64, 128),
     tune_tree_block_n=(32, 64, 128),
-    tune_select_shapes=((8, 32000, 1), (256, 32000, 8), (512, 128256, 64), (2048, 128256, 64)),
+    tune_select_shapes=((8, 32000, 1), (512, 128256, 64)),
     rate_elements=2**29, rate_matmul=8192,
 )
 DRY_RUN = Sizes(
@@ -414,9 +414,9 @@ def bench_tune(rates: dict, quick: bool) -> list[dict]:
         torch_ms = try_timed(lambda: select_reference(x, weight, score, width))
         rows.append({"kernel": "tune_select_torch", "shape": shape, "ms": torch_ms, "bound_ms": bound,
                      "ratio": torch_ms / bound, "graph": True})
-        for block_m in (16, 32, 64):
-            for block_n in (64, 128, 256):
-                for block_k in (32, 64, 128):
+        for block_m in (16, 32):  # each configuration compiles for ~10 s (H100 run, 2026-11-26)
+            for block_n in (64, 128):
+                for block_k in (64, 128):
                     kwargs = {"block_m": block_m, "block_n": block_n, "block_k": block_k}
                     ms = try_timed(lambda: fused_select(x, weight, score, width, **kwargs))
                     rows.append({"kernel": "tune_fused_select", "shape": shape, **kwargs, "ms": ms,
@@ -599,6 +599,38 @@ def print_step_table(rows: list[dict]) -> None:
               f"{r['verify_ms']:.3f} | {r['verify_over_plain']:.2f} | {r['c']:.2f} |")
 
 
+def plot_steps(rows: list[dict], png: Path) -> None:
+    """c (draft + pack + verify over a plain step) against W, one panel per target, a line per
+    drafter and batch size: ReDrafter pays where its tokens per step exceed the line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    steps = [r for r in rows if r["kernel"] == "redrafter_step"]
+    targets = sorted({r["target"] for r in steps})
+    fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 4.5), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        mine = [r for r in steps if r["target"] == target]
+        for drafter in sorted({r["drafter"] for r in mine}):
+            for batch in sorted({r["B"] for r in mine}):
+                line = sorted((r for r in mine if r["drafter"] == drafter and r["B"] == batch), key=lambda r: r["W"])
+                ax.plot([r["W"] for r in line], [r["c"] for r in line], marker="o",
+                        linestyle="-" if drafter == target else "--", label=f"{drafter} B={batch}")
+        ax.set(xscale="log", yscale="log", xlabel="beam width W (L = 5)", ylabel="c = step cost / plain step",
+               title=f"{target}, context {CONTEXT}")
+        ax.set_xticks(sorted({r["W"] for r in mine}), labels=[str(w) for w in sorted({r["W"] for r in mine})])
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    print(f"wrote {png}")
+
+
 SECTIONS = ("tree", "sampling", "beam", "step", "tune")
 
 
@@ -608,9 +640,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/...)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only (a smoke run)")
     parser.add_argument("--only", choices=SECTIONS, action="append", default=None)
+    parser.add_argument("--plot", type=Path, default=None, metavar="JSON",
+                        help="only redraw the step plot of an earlier run's JSON (PNG beside it)")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU in Triton's interpreter: checks the script runs")
     args = parser.parse_args(argv)
+    if args.plot:
+        plot_steps(json.loads(args.plot.read_text())["rows"], args.plot.with_suffix(".png"))
+        return 0
     if args.dry_run:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--dry-run needs TRITON_INTERPRET=1 before triton is imported")
@@ -646,6 +683,8 @@ def main(argv: list[str] | None = None) -> int:
             "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "rates": rates,
             "seconds": time.time() - started, "failed": failed, "rows": rows,
         }, indent=1))
+    if any(r["kernel"] == "redrafter_step" for r in rows):
+        plot_steps(rows, out.with_suffix(".png"))
     print(f"\nwrote {out} ({time.time() - started:.0f} s)")
     print_kernel_table(rows)
     print_step_table(rows)

@@ -111,3 +111,28 @@ def test_qps_sweep_results_pair_each_arm_with_vllm_alone_of_the_same_repeat(tmp_
     written = json.loads(args.out.read_text())
     assert written["rows"][0]["load"] == "c1" and len(written["raw"]["c1"]["alone"]) == 2
     assert args.out.with_suffix(".png").is_file()
+
+
+def test_gpu_kernels_dry_run(tmp_path):
+    """The GPU script's every section on the CPU (tiny shapes, float32, Triton's interpreter, in a
+    fresh interpreter so TRITON_INTERPRET takes effect): it runs, its kernels agree with their
+    references, and the step table comes last. What it measures on a GPU is not checked here."""
+    out = tmp_path / "gpu.json"
+    run = subprocess.run([sys.executable, str(BENCHMARKS[0].parent / "gpu_kernels.py"), "--dry-run",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["failed"] == {}
+    kinds = {row["kernel"] for row in result["rows"]}
+    assert {"tree_attention_triton", "sample_tiled", "beam_search_fused", "redrafter_step",
+            "tune_tree_attention", "tune_fused_select"} <= kinds
+    assert all(r["max_abs_err_vs_reference"] < 1e-4 for r in result["rows"]
+               if r["kernel"] == "tree_attention_triton")
+    assert all(r["beams_equal_to_torch"] == 1.0 for r in result["rows"] if r["kernel"] == "beam_search_fused")
+    steps = [r for r in result["rows"] if r["kernel"] == "redrafter_step"]
+    assert all(r["c"] == pytest.approx((r["draft_ms"] + r["pack_ms"] + r["verify_ms"]) / r["plain_ms"])
+               for r in steps)
+    assert all(r["verify_tokens"] == r["B"] * r["packed_tokens_mean"] for r in steps)
+    assert run.stdout.rstrip().splitlines()[-1].startswith(f"| tiny | tiny-K128 | {steps[-1]['B']} |")

@@ -334,6 +334,27 @@ def test_use_triton_selection(monkeypatch):
         kernels.use_triton(torch.device("cpu"))
 
 
+def test_dispatch_beam_search_is_torch_unless_forced(monkeypatch):
+    """auto keeps the torch beam search where the other kernels would run (the fused step measured
+    slower on an H100); VLLM_REDRAFTER_KERNELS=triton selects the fused step."""
+    calls = []
+
+    def fused(*args, **kwargs):
+        calls.append(1)
+        return beam_search(*args, **kwargs)
+
+    monkeypatch.setattr(fb, "beam_search_fused", fused)
+    monkeypatch.setattr(kernels, "use_triton", lambda device: True)  # as on a CUDA device
+    drafter = tiny_drafter(vocab=30)
+    h, g0 = torch.randn(2, 8), torch.tensor([1, 2])
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    out = kernels.beam_search(drafter, h, g0, 3, 3)
+    assert calls == [] and torch.equal(out.beams, beam_search(drafter, h, g0, 3, 3).beams)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "triton")
+    kernels.beam_search(drafter, h, g0, 3, 3)
+    assert calls == [1]
+
+
 @needs_kernels
 def test_dispatch_runs_the_kernels_when_forced(monkeypatch):
     monkeypatch.setenv(kernels.KERNELS_ENV, "triton")

@@ -7,6 +7,7 @@ function              Triton (CUDA tensors)                    torch (elsewhere)
 ====================  =======================================  ==============================
 paged_tree_attention  tree_attention.tree_attention_triton     tree_attention_gathered
 beam_search           fused_beam_step.beam_search_fused        beam_search.beam_search
+                      (only when forced, see below)
 sample_tokens         sampling.sample_tiled (temperature only)  sampling.target_probs + race
 ====================  =======================================  ==============================
 
@@ -15,6 +16,12 @@ imports), ``torch`` (never Triton) or ``triton`` (always; on CPU tensors this ne
 ``TRITON_INTERPRET=1`` set before triton is first imported, which is how the CPU tests run the
 kernels). Cases the kernels do not cover take the torch path whatever the setting: beam search
 with ``return_log_probs`` (the p/q verifier's q history), and sampling with top-k / top-p / min-p.
+
+``auto`` runs the beam search in torch on CUDA too: on an H100 (benchmarks/gpu_kernels.py,
+2026-11-26, bf16, L = 5) the fused step was slower than torch at every shape measured, 1.2-1.4x
+at batch 1 and up to 3.6x at B x W = 2048 (Llama-3.1-8B drafter, B = 32, W = 32: 129.9 vs 36.5
+ms), and tuning its block sizes did not close the gap (B x W = 8, Vicuna-7B head: 0.48 ms at
+best vs 0.33). ``triton`` still selects it.
 """
 
 from __future__ import annotations
@@ -66,6 +73,10 @@ def use_triton(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _forced_triton() -> bool:
+    return os.environ.get(KERNELS_ENV, "auto").strip().lower() == "triton"
+
+
 def paged_tree_attention(
     q: Tensor,  # [total_q, Hq, D]
     key_cache: Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -106,8 +117,9 @@ def beam_search(
     apple_warp: bool = True,
     return_log_probs: bool = False,
 ) -> _beam_search.BeamSearchOutput:
-    """The drafter's beam search; the fused step on CUDA (``fused_beam_step.py``)."""
-    if not return_log_probs and use_triton(h.device):
+    """The drafter's beam search: torch, or the fused step (``fused_beam_step.py``) where
+    ``VLLM_REDRAFTER_KERNELS=triton`` asks for it (module docstring: torch measured faster)."""
+    if not return_log_probs and _forced_triton() and use_triton(h.device):
         from vllm_redrafter.kernels.fused_beam_step import beam_search_fused
 
         return beam_search_fused(drafter, h, g0, beam_width, beam_length, apple_warp=apple_warp)
