@@ -44,8 +44,9 @@ def main() -> None:
 
     target = args.target or prepare_target()
     recipe = get_recipe(args.recipe)
-    if recipe.data.labels != "self":
-        raise SystemExit(f"recipe {recipe.name} has labels={recipe.data.labels}; this compares "
+    other = sorted({spec.labels for spec in recipe.datasets} - {"self"})
+    if other:
+        raise SystemExit(f"recipe {recipe.name} has a dataset with labels={other[0]}; this compares "
                          "soft and hard labels on the target's own answers (labels=self)")
     train = recipe.train if args.max_steps is None else replace(recipe.train, max_steps=args.max_steps)
     prompts = mt_bench_prompts()[:: args.prompt_stride]
