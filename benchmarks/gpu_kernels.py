@@ -399,10 +399,10 @@ def bench_tune(rates: dict, quick: bool) -> list[dict]:
             for block_n in SIZES.tune_tree_block_n:
                 for splits in (None, 1, 4, 16):
                     kwargs = {"block_m": block_m, "block_n": block_n, "num_splits": splits}
-                    ms = try_timed(lambda: tree_attention_triton(
+                    ms, graph = try_timed(lambda: tree_attention_triton(
                         *args, max_tree_len=tree, max_kv_len=total, **kwargs))
                     rows.append({"kernel": "tune_tree_attention", "shape": shape, **kwargs, "ms": ms,
-                                 "bound_ms": bound, "ratio": ms / bound, "graph": True})
+                                 "bound_ms": bound, "ratio": ms / bound, "graph": graph})
         report_best(rows, "tune_tree_attention", shape)
     for count, vocab, width in SIZES.tune_select_shapes:
         dim_e = 2 * SIZES.drafters[next(iter(SIZES.drafters))][0]
@@ -411,28 +411,28 @@ def bench_tune(rates: dict, quick: bool) -> list[dict]:
         score = torch.randn(count // width, width, device=dev)
         bound = bound_ms(vocab * dim_e * 2, 2 * count * vocab * dim_e, rates)
         shape = f"rows={count} V={vocab} E={dim_e} W={width}"
-        torch_ms = try_timed(lambda: select_reference(x, weight, score, width))
+        torch_ms, graph = try_timed(lambda: select_reference(x, weight, score, width))
         rows.append({"kernel": "tune_select_torch", "shape": shape, "ms": torch_ms, "bound_ms": bound,
-                     "ratio": torch_ms / bound, "graph": True})
+                     "ratio": torch_ms / bound, "graph": graph})
         for block_m in (16, 32):  # each configuration compiles for ~10 s (H100 run, 2026-11-26)
             for block_n in (64, 128):
                 for block_k in (64, 128):
                     kwargs = {"block_m": block_m, "block_n": block_n, "block_k": block_k}
-                    ms = try_timed(lambda: fused_select(x, weight, score, width, **kwargs))
+                    ms, graph = try_timed(lambda: fused_select(x, weight, score, width, **kwargs))
                     rows.append({"kernel": "tune_fused_select", "shape": shape, **kwargs, "ms": ms,
-                                 "bound_ms": bound, "ratio": ms / bound, "graph": True})
+                                 "bound_ms": bound, "ratio": ms / bound, "graph": graph})
         print(f"select {shape}: torch {torch_ms:.4f} ms", flush=True)
         report_best(rows, "tune_fused_select", shape)
     return rows
 
 
-def try_timed(fn) -> float:
-    """ms of fn (5 graph replays), inf where the configuration fails (e.g. out of shared memory)."""
+def try_timed(fn) -> tuple[float, bool]:
+    """``timed`` with 5 runs; ms = inf where the configuration fails (e.g. out of shared memory)."""
     try:
-        return timed(fn, iters=5)[0]
+        return timed(fn, iters=5)
     except Exception as err:  # noqa: BLE001 - a failing configuration is a result too
         print(f"  (failed: {type(err).__name__}: {str(err)[:100]})")
-        return float("inf")
+        return float("inf"), False
 
 
 def report_best(rows: list[dict], kernel: str, shape: str) -> None:
