@@ -18,7 +18,7 @@ kernels). Cases the kernels do not cover take the torch path whatever the settin
 with ``return_log_probs`` (the p/q verifier's q history), and sampling with top-k / top-p / min-p.
 
 ``auto`` runs the beam search in torch on CUDA too: on an H100 (benchmarks/gpu_kernels.py,
-2026-11-26, bf16, L = 5) the fused step was slower than torch at every shape measured, 1.2-1.4x
+2026-11-26, bf16, L = 5) the fused step was slower than torch at every shape measured, 1.1-1.5x
 at batch 1 and up to 3.6x at B x W = 2048 (Llama-3.1-8B drafter, B = 32, W = 32: 129.9 vs 36.5
 ms), and tuning its block sizes did not close the gap (B x W = 8, Vicuna-7B head: 0.48 ms at
 best vs 0.33). ``triton`` still selects it.
