@@ -23,7 +23,10 @@ Measures, on the current CUDA device (bf16, random weights: timing only):
    verified token), the packing of the drafted beams (build_tree + the attention bitmask), and the
    per-step overhead c = (draft + pack + verify) / plain step: ReDrafter is faster than the target
    alone when its tokens per step exceed c. The drafter here is random, so its beams share little
-   but the root: the packed sizes are close to the worst case W * (L - 1) + 1.
+   but the root: the packed sizes are close to the worst case W * (L - 1) + 1;
+6. tune: the tree-attention kernel and the fused beam step's selection over their block sizes, at
+   the shapes where their defaults lost to SDPA / torch on an H100 (slow: Triton compiles each
+   configuration; ``--only`` the others to skip it).
 
 Every bound is max(bytes / copy bandwidth, FLOPs / matmul rate) with both rates measured above.
 Times are CUDA-graph replays (events, mean of 20) where capture works, else plain launches
