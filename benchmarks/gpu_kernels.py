@@ -56,6 +56,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 LENGTH = 5
 CONTEXT = 512  # cached tokens per request in the step section
+KV_BLOCK = 16  # tokens per paged KV-cache block, everywhere here
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ def tree_case(batch: int, context: int, tree: int, gen: torch.Generator) -> tupl
     from vllm_redrafter.kernels.tree_attention import pack_tree_mask
 
     dev = SIZES.device
-    (hq, hkv, dim), block = SIZES.tree_heads, 16
+    (hq, hkv, dim), block = SIZES.tree_heads, KV_BLOCK
     blocks_per = -(-(context + tree) // block)
     num_blocks = batch * blocks_per
     kc = torch.randn(num_blocks, block, hkv, dim, device=dev, dtype=SIZES.dtype)
@@ -301,7 +302,7 @@ def bench_tree_attention(rates: dict, quick: bool) -> list[dict]:
     from vllm_redrafter.kernels.tree_attention import tree_attention_reference, tree_attention_triton
 
     dev = SIZES.device
-    (hq, hkv, dim), block = SIZES.tree_heads, 16
+    (hq, hkv, dim), block = SIZES.tree_heads, KV_BLOCK
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in SIZES.tree_batches:
@@ -462,7 +463,7 @@ class RandomTarget:
     packed token). Rotary embeddings and the cache write are left out (elementwise, small).
     """
 
-    block_size = 16
+    block_size = KV_BLOCK
 
     def __init__(self, shape: TargetShape, batch: int, max_tree: int) -> None:
         dev, dim = SIZES.device, shape.head_dim

@@ -54,11 +54,17 @@ KERNELS_ENV = "VLLM_REDRAFTER_KERNELS"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def use_triton(device: torch.device) -> bool:
-    """Whether the Triton kernels serve tensors on ``device`` (module docstring)."""
+def _mode() -> str:
+    """``VLLM_REDRAFTER_KERNELS``: auto (unset), torch or triton."""
     mode = os.environ.get(KERNELS_ENV, "auto").strip().lower()
     if mode not in ("auto", "torch", "triton"):
         raise ValueError(f"{KERNELS_ENV} must be auto, torch or triton, got {mode!r}")
+    return mode
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether the Triton kernels serve tensors on ``device`` (module docstring)."""
+    mode = _mode()
     if mode == "torch" or not _HAS_TRITON:
         if mode == "triton":
             raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed")
@@ -71,10 +77,6 @@ def use_triton(device: torch.device) -> bool:
             )
         return True
     return device.type == "cuda"
-
-
-def _forced_triton() -> bool:
-    return os.environ.get(KERNELS_ENV, "auto").strip().lower() == "triton"
 
 
 def paged_tree_attention(
@@ -119,7 +121,7 @@ def beam_search(
 ) -> _beam_search.BeamSearchOutput:
     """The drafter's beam search: torch, or the fused step (``fused_beam_step.py``) where
     ``VLLM_REDRAFTER_KERNELS=triton`` asks for it (module docstring: torch measured faster)."""
-    if not return_log_probs and _forced_triton() and use_triton(h.device):
+    if not return_log_probs and _mode() == "triton" and use_triton(h.device):
         from vllm_redrafter.kernels.fused_beam_step import beam_search_fused
 
         return beam_search_fused(drafter, h, g0, beam_width, beam_length, apple_warp=apple_warp)
