@@ -349,14 +349,16 @@ def test_missing_dataset_file(tmp_path):
 def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt_bench_questions):
     from vllm_redrafter.train import prompts as builtin
     from vllm_redrafter.train.detailed_prompts import detailed_prompts
+    from vllm_redrafter.train.specific_prompts import specific_prompts
 
     sources = {"templated": builtin.templated_prompts, "text": builtin.text_prompts,
                "documents": builtin.document_prompts, "constrained": builtin.constrained_prompts,
-               "detailed": detailed_prompts}
+               "detailed": detailed_prompts, "specific": specific_prompts}
     made = {name: make(40, 0) for name, make in sources.items()}
     assert made == {name: make(40, 0) for name, make in sources.items()}  # the seed decides
     assert made["documents"] != builtin.document_prompts(40, 1)
-    assert len(set(detailed_prompts(2000, 0))) == 2000  # distinct however many are asked for
+    for many in (detailed_prompts, specific_prompts):  # distinct however many are asked for
+        assert len(set(many(2000, 0))) == 2000
     for name, prompts in made.items():
         assert len(prompts) == 40 and len(set(prompts)) >= 36, name
     windows = {" ".join(q.split()[i:i + 6]) for q in mt_bench_questions

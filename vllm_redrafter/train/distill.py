@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from vllm_redrafter.train import prompts as builtin_prompts
 from vllm_redrafter.train.data import DatasetError, Example, prompt_ids, read_dataset, tokenize_example
 from vllm_redrafter.train.detailed_prompts import detailed_prompts
+from vllm_redrafter.train.specific_prompts import specific_prompts
 from vllm_redrafter.train.generate import GenRequest, GenSettings, Generator, vllm_generate
 
 LABEL_MODES = ("self", "distill", "ground-truth")
@@ -59,6 +60,7 @@ class BuiltinSpec:
     documents: int = 0  # extraction / table / JSON requests over small documents
     constrained: int = 0  # several instructions at once, multi-part questions
     detailed: int = 0  # long, specific requests in eight kinds of task (detailed_prompts.py)
+    specific: int = 0  # the same kinds from another stock of templates (specific_prompts.py)
 
 
 @dataclass(frozen=True)
@@ -176,8 +178,9 @@ def data_fingerprint(spec: DataSpec, target_dir: Path) -> str:
     spec_dict = asdict(spec)
     gen = spec_dict.pop("gen")
     spec_dict["gen_dtype"] = gen["dtype"]
-    if spec_dict["builtin"]["detailed"] == 0:  # the fingerprint of builds from before the source
-        spec_dict["builtin"].pop("detailed")
+    for source in ("detailed", "specific"):  # the fingerprints of builds from before the source
+        if spec_dict["builtin"][source] == 0:
+            spec_dict["builtin"].pop(source)
     digest.update(json.dumps(spec_dict, sort_keys=True).encode())
     if spec.dataset != BUILTIN:
         digest.update(Path(spec.dataset).read_bytes())
@@ -200,6 +203,7 @@ def _builtin_prompt_ids(spec: DataSpec, tokenizer, gen) -> list[list[int]]:
     questions += builtin_prompts.document_prompts(b.documents, b.seed)
     questions += builtin_prompts.constrained_prompts(b.constrained, b.seed)
     questions += detailed_prompts(b.detailed, b.seed)
+    questions += specific_prompts(b.specific, b.seed)
     if b.self_instruct:
         # No per-request seeds: vLLM 0.32 on CPU crashes when a seeded request's prefill is chunked
         # (Generator.get_offset is CUDA-only); the engine's fixed seed makes the run reproducible.
