@@ -41,8 +41,8 @@ from tqdm.auto import tqdm
 from vllm_redrafter.train import prompts as builtin_prompts
 from vllm_redrafter.train.data import DatasetError, Example, prompt_ids, read_dataset, tokenize_example
 from vllm_redrafter.train.detailed_prompts import detailed_prompts
-from vllm_redrafter.train.specific_prompts import specific_prompts
 from vllm_redrafter.train.generate import GenRequest, GenSettings, Generator, vllm_generate
+from vllm_redrafter.train.specific_prompts import specific_prompts
 
 LABEL_MODES = ("self", "distill", "ground-truth")
 BUILTIN = "builtin"
