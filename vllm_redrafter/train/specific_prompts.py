@@ -180,7 +180,7 @@ MATH = [
     "or lower than the original, and by what percentage?",
     "Without a calculator, find what is left over after dividing {big} by {m}, and explain the "
     "method.",
-    "A circle has a circumference of {c} cm. What are its radius and its area? Round to two "
+    "A circle has a circumference of {circumference} cm. What are its radius and its area? Round to two "
     "decimals.",
     "{person} saves {s} dollars in the first month and {k} dollars more each month than the "
     "month before. How much has {person} saved after a year?",
@@ -201,7 +201,7 @@ CODING = [
     "Write a SQL query on the table {table} that returns {goal}, and explain how it works.",
     "Write a command-line script in {lang} that reads a CSV file of {records} and prints "
     "{report}.",
-    "Review this {lang} code and point out the bug:\n\n{snippet}",
+    "Review this Python code and point out the bug, then show the fix in {lang}:\n\n{snippet}",
 ]
 EXTRACTION = [
     "From the invoice below, extract the supplier, the date, every item with its quantity and "
@@ -222,8 +222,8 @@ EXTRACTION = [
     "warmest to coldest.\n\n{forecast}",
 ]
 STEM = [
-    "Why does {science} happen, or how does it work? Explain step by step, then correct one "
-    "common misconception about it.",
+    "Explain {science} step by step: what happens and why. Then correct one common "
+    "misconception about it.",
     "Explain {science} to {audience}, using an analogy from everyday life.",
     "How could a school laboratory demonstrate {science}? List the equipment and the steps.",
     "A {m} kg box is lifted {h} metres. How much potential energy does it gain, and how fast "
@@ -232,7 +232,8 @@ STEM = [
     "power does the resistor use?",
     "Light travels at about 300,000 km per second. How long does it take to cover {d} million "
     "kilometres? Show the calculation.",
-    "What are the main uses of {science} in industry or medicine today, and what limits them?",
+    "In everyday life and in industry, where do we meet {science}, and what is still not "
+    "understood about it?",
     "What is the link between {science} and {science2}? Explain as clearly as you can.",
 ]
 HUMANITIES_TEMPLATES = [
@@ -379,7 +380,8 @@ def _math(rng: random.Random) -> str:
                  v2=rng.choice([120, 140, 150, 160]), t2=rng.randint(10, 12), n=rng.randint(4, 9),
                  p=rng.choice([10, 20, 25, 30, 40]), q=rng.choice([10, 20, 25, 30, 50]),
                  big=rng.randint(10 ** 5, 10 ** 7), m=rng.choice([3, 4, 7, 9, 11]),
-                 person=_name(rng), s=rng.choice([20, 50, 100]), sum=rng.randint(2, 12))
+                 person=_name(rng), s=rng.choice([20, 50, 100]), sum=rng.randint(2, 12),
+                 circumference=rng.randint(5, 200))
 
 
 def _coding(rng: random.Random) -> str:
