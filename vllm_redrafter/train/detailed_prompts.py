@@ -152,8 +152,12 @@ THINKERS = ["Plato", "Aristotle", "Confucius", "Kant", "John Stuart Mill", "Simo
 
 def detailed_prompts(n: int, seed: int) -> list[str]:
     """``n`` distinct detailed requests, the eight kinds in turn, reproducible from ``seed``."""
-    rng = random.Random(seed + 5)
-    kinds = list(_KINDS.values())
+    return draw_in_turn(list(_KINDS.values()), n, random.Random(seed + 5))
+
+
+def draw_in_turn(kinds: list[Callable[[random.Random], str]], n: int,
+                 rng: random.Random) -> list[str]:
+    """Up to ``n`` distinct prompts, one kind after another (a repeat is drawn again)."""
     prompts: list[str] = []
     seen: set[str] = set()
     for _ in range(20 * n):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from vllm_redrafter.train.detailed_prompts import _name, _pick, draw_in_turn
 from vllm_redrafter.train.prompts import CITIES, LANGUAGES, PEOPLE, SURNAMES, TOPICS, _a
 
 SCIENCE = [
@@ -307,26 +308,7 @@ AUDIENCES = ["a ten-year-old", "a high-school student", "a busy manager", "a ret
 
 def specific_prompts(n: int, seed: int) -> list[str]:
     """``n`` distinct specific requests, the eight kinds in turn, reproducible from ``seed``."""
-    rng = random.Random(seed + 7)
-    kinds = list(_KINDS.values())
-    prompts: list[str] = []
-    seen: set[str] = set()
-    for _ in range(20 * n):
-        if len(prompts) == n:
-            break
-        prompt = kinds[len(prompts) % len(kinds)](rng)
-        if prompt not in seen:
-            seen.add(prompt)
-            prompts.append(prompt)
-    return prompts
-
-
-def _pick(rng: random.Random, templates: list[str], **slots: object) -> str:
-    return rng.choice(templates).format(**slots)
-
-
-def _name(rng: random.Random) -> str:
-    return f"{rng.choice(PEOPLE)} {rng.choice(SURNAMES)}"
+    return draw_in_turn(list(_KINDS.values()), n, random.Random(seed + 7))
 
 
 def _writing(rng: random.Random) -> str:
