@@ -280,6 +280,37 @@ def test_overwrite_replaces_a_trained_drafter(tmp_path, prompts_file, target_dir
     assert json.loads((out / "training.json").read_text())["steps_done"] == 3
 
 
+def test_fine_tuning_starts_from_the_given_drafter(trained, tmp_path, prompts_file, target_dir,
+                                                    shared_data_dir):
+    """init_from: the run starts from a trained drafter's weights (its first loss is the trained
+    drafter's last, far below a fresh start's) and keeps its shape and draft vocabulary, whatever
+    the recipe's drafter says; the fingerprint follows the starting weights; a run never writes
+    over the drafter it starts from."""
+    from vllm_redrafter.train.pipeline import run_fingerprint
+
+    start, _ = trained
+    recipe = small_recipe(prompts_file, max_steps=3)
+    tuned = with_overrides(recipe, drafter=dict(init_from=str(start), draft_vocab_size=64,
+                                                num_draft_layers=3))
+    fresh = run_training(recipe, target_dir, tmp_path / "fresh", data_dir=shared_data_dir,
+                         generator=never_generate)
+    record = run_training(tuned, target_dir, tmp_path / "tuned", data_dir=shared_data_dir,
+                          generator=never_generate)
+    assert record["train_losses_every_10"][0] < 0.5 * fresh["train_losses_every_10"][0]
+    before = RecurrentDrafter.from_pretrained(start, target_hidden_size=576)
+    after = RecurrentDrafter.from_pretrained(tmp_path / "tuned", target_hidden_size=576)
+    assert after.config == before.config and torch.equal(after.draft_vocab_ids, before.draft_vocab_ids)
+    assert not torch.equal(after.lm_head[-1].weight, before.lm_head[-1].weight)  # it trained
+    other = with_overrides(recipe, drafter=dict(init_from=str(tmp_path / "fresh")))
+    assert run_fingerprint(other, target_dir) != record["fingerprint"] != fresh["fingerprint"]
+    with pytest.raises(OutputDirError, match="replace the drafter it starts from"):
+        run_training(tuned, target_dir, start, overwrite=True, generator=never_generate)
+    assert (start / "model.safetensors").is_file()
+    with pytest.raises(FileNotFoundError, match="holds no trained drafter"):
+        run_training(with_overrides(recipe, drafter=dict(init_from=str(tmp_path))), target_dir,
+                     tmp_path / "x", generator=never_generate)
+
+
 def test_refuses_another_models_drafter(tmp_path, prompts_file, target_dir):
     out = tmp_path / "other"
     RecurrentDrafter(DrafterConfig(vocab_size=1000, hidden_size=64, exit_dim=128,

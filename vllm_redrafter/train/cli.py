@@ -3,6 +3,8 @@
     vllm-redrafter train --recipe default --output-dir runs/default          # the shipped drafter
     vllm-redrafter train --recipe quick --output-dir /tmp/quick               # minutes, CPU
     vllm-redrafter train --target MODEL_DIR --dataset chats.jsonl --output-dir DIR --labels self
+    vllm-redrafter train --dataset chats.jsonl --init-from default --output-dir DIR --lr 3e-4
+                                                            # fine-tune the shipped drafter
 
 A recipe (recipes.py) sets every default; the flags override single settings. A killed run
 resumes when the same command is run again; a finished drafter is only replaced with --overwrite.
@@ -48,6 +50,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-draft-layers", type=int, default=None, help="ResBlocks in the drafter head")
     p.add_argument("--exit-dim", type=int, default=None, help="ResBlock width (default 2H: no input_proj)")
     p.add_argument("--head-init", choices=("target", "random"), default=None)
+    p.add_argument("--init-from", default=None,
+                   help="fine-tune: start from this trained drafter (a directory, or 'default': the "
+                        "package's), keeping its shape and draft vocabulary")
     p.add_argument("--epochs", type=float, default=None)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None, help="positions per step")
@@ -79,7 +84,7 @@ def recipe_from_args(args: argparse.Namespace):
                   response_tokens=args.response_tokens, position_stride=args.position_stride,
                   max_len=args.max_len, heldout_fraction=args.heldout_fraction),
         drafter=dict(num_draft_layers=args.num_draft_layers, exit_dim=args.exit_dim,
-                     head_init=args.head_init,
+                     head_init=args.head_init, init_from=args.init_from,
                      draft_vocab_size=None if vocab in (None, "full") else _positive_int(vocab)),
         train=dict(epochs=args.epochs, max_steps=args.max_steps, batch_size=args.batch_size,
                    lr=args.lr, seed=args.seed, save_every=args.save_every, device=args.device,

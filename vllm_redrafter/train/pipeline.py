@@ -34,8 +34,9 @@ from vllm_redrafter.train.recipes import DrafterSpec, Recipe
 from vllm_redrafter.train.trainer import evaluate, format_eval, train_loop, write_json
 from vllm_redrafter.train.vocab import coverage, select_draft_vocab, token_frequencies
 
-WORK, CHECKPOINT, RUN_FILE = "work", "checkpoint.pt", "run.json"
-FINAL_FILES = ("config.json", "model.safetensors", "eval.json", "training.json")
+WORK, CHECKPOINT, RUN_FILE, SAFETENSORS = "work", "checkpoint.pt", "run.json", "model.safetensors"
+DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "default_drafter"
+FINAL_FILES = ("config.json", SAFETENSORS, "eval.json", "training.json")
 
 
 class OutputDirError(ValueError):
@@ -57,9 +58,27 @@ def run_fingerprint(recipe: Recipe, target_dir: Path) -> str:
     if train["soft_label_weight"] == 0.0:  # off: the fingerprint of runs from before the option
         train.pop("soft_label_weight")
     data = [data_fingerprint(spec, target_dir) for spec in recipe.datasets]
+    drafter = asdict(recipe.drafter)
+    if drafter["init_from"] is None:  # a fresh drafter: the fingerprint of runs before the option
+        drafter.pop("init_from")
+    else:  # the starting weights, wherever they lie
+        drafter["init_from"] = _file_sha256(init_drafter_dir(recipe.drafter.init_from) / SAFETENSORS)
     blob = json.dumps({"data": data[0] if len(data) == 1 else data,  # one: as before the option
-                       "drafter": asdict(recipe.drafter), "train": train}, sort_keys=True)
+                       "drafter": drafter, "train": train}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def init_drafter_dir(init_from: str) -> Path:
+    """The drafter directory a fine-tuning run starts from ("default": the package's)."""
+    directory = DEFAULT_DRAFTER if init_from == "default" else Path(init_from)
+    if not (directory / SAFETENSORS).is_file():
+        raise FileNotFoundError(f"init_from: {directory} holds no trained drafter ({SAFETENSORS} "
+                                "missing); give a drafter directory, or 'default'")
+    return directory
+
+
+def _file_sha256(file: Path) -> str:
+    return hashlib.sha256(file.read_bytes()).hexdigest()[:16]
 
 
 def check_output_dir(output_dir: Path, identity: dict, fingerprint: str, overwrite: bool) -> None:
@@ -204,6 +223,10 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
         raise FileNotFoundError(f"target model directory {target_dir} has no config.json")
     identity = target_identity(target_dir)
     fingerprint = run_fingerprint(recipe, target_dir)
+    init_dir = recipe.drafter.init_from and init_drafter_dir(recipe.drafter.init_from)
+    if init_dir and init_dir.resolve() == output_dir.resolve():
+        raise OutputDirError(f"init_from and the output dir are both {output_dir}: the run would "
+                             "replace the drafter it starts from; choose another --output-dir")
     check_output_dir(output_dir, identity, fingerprint, overwrite)  # before any slow work
     started = time.time()
     train = recipe.train
@@ -211,10 +234,15 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
     data = build_datasets(recipe, target_dir, data_dir or output_dir / WORK / "data",
                           generator=generator, device=str(device), rebuild_stale=data_dir is None)
     data_seconds = time.time() - started
-    eos = AutoTokenizer.from_pretrained(target_dir).eos_token_id
-    draft_ids = choose_draft_vocab(data, recipe.drafter, eos)
     embedding = load_target_embedding(target_dir).to(device)
-    drafter = build_drafter(recipe.drafter, target_dir, embedding, draft_ids, train.seed)
+    if init_dir:
+        drafter = RecurrentDrafter.from_pretrained(init_dir, embedding, dtype=torch.float32)
+        draft_ids = drafter.draft_vocab_ids if drafter.config.draft_vocab_size else None
+        torch.manual_seed(train.seed)
+    else:
+        eos = AutoTokenizer.from_pretrained(target_dir).eos_token_id
+        draft_ids = choose_draft_vocab(data, recipe.drafter, eos)
+        drafter = build_drafter(recipe.drafter, target_dir, embedding, draft_ids, train.seed)
     teacher_head = (target_head_rows(target_dir, embedding, draft_ids)
                     if train.soft_label_weight > 0 else None)
     state = train_loop(drafter, data, train, output_dir / WORK / CHECKPOINT, fingerprint,

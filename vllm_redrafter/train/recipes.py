@@ -64,6 +64,9 @@ class DrafterSpec:
     draft_vocab_size: int | None = 6144  # K; None = the full vocabulary
     head_init: str = "random"  # "random" | "target" (h-half from the target's LM head rows)
     vocab_text_weight: float = 0.1  # K counts: labels + weight * tokens of the training text
+    # start from a trained drafter (a directory, or "default": the package's) instead of a fresh
+    # one: its shape and draft vocabulary replace the fields above (fine-tuning)
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.head_init not in ("target", "random"):
