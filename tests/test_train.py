@@ -311,6 +311,31 @@ def test_fine_tuning_starts_from_the_given_drafter(trained, tmp_path, prompts_fi
                      tmp_path / "x", generator=never_generate)
 
 
+def test_a_recipe_fine_tuning_another_recipes_drafter_trains_both(tmp_path, prompts_file,
+                                                                  target_dir, monkeypatch):
+    """init_from="recipe:NAME": one command trains the base recipe's drafter first (in
+    OUTPUT/work/base), then fine-tunes it; a rerun finds the base finished and reuses it; the
+    fingerprint follows the base recipe's settings."""
+    from vllm_redrafter.train import recipes
+    from vllm_redrafter.train.pipeline import run_fingerprint
+
+    base = replace(small_recipe(prompts_file, max_steps=20), name="test-base")
+    monkeypatch.setitem(recipes.RECIPES, "test-base", base)
+    tuned = with_overrides(small_recipe(prompts_file, max_steps=2),
+                           drafter=dict(init_from="recipe:test-base"))
+    out = tmp_path / "out"
+    record = run_training(tuned, target_dir, out, generator=stub_generate)
+    base_record = json.loads((out / "work" / "base" / "training.json").read_text())
+    assert base_record["finished"] and base_record["steps_done"] == 20
+    assert record["train_losses_every_10"][0] < 0.7 * base_record["train_losses_every_10"][0]
+    built = (out / "work" / "base" / "model.safetensors").stat().st_mtime_ns
+    again = run_training(tuned, target_dir, out, overwrite=True, generator=never_generate)
+    assert (out / "work" / "base" / "model.safetensors").stat().st_mtime_ns == built
+    assert again["fingerprint"] == record["fingerprint"]
+    monkeypatch.setitem(recipes.RECIPES, "test-base", with_overrides(base, train=dict(lr=1e-2)))
+    assert run_fingerprint(tuned, target_dir) != record["fingerprint"]
+
+
 def test_refuses_another_models_drafter(tmp_path, prompts_file, target_dir):
     out = tmp_path / "other"
     RecurrentDrafter(DrafterConfig(vocab_size=1000, hidden_size=64, exit_dim=128,
@@ -398,17 +423,18 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
     assert not leaked, f"built-in prompts repeat MT-Bench questions: {leaked[:3]}"
 
 
-def test_shipped_drafter_fits_its_budget_and_is_the_default_recipes(target_dir):
-    """The package's drafter: at most 20 MB, and made by ``train --recipe default`` as it stands
-    (its recorded run fingerprint is the recipe's: data, drafter shape and training settings)."""
+def test_shipped_drafter_fits_its_budget_and_is_the_shipped_recipes(target_dir):
+    """The package's drafter: at most 20 MB, and made by ``train --recipe shipped`` as it stands
+    (its recorded run fingerprint is the recipe's: data, drafter shape and training settings, and
+    those of the base recipe it fine-tunes)."""
     import vllm_redrafter
     from vllm_redrafter.train.pipeline import run_fingerprint
 
     shipped = Path(vllm_redrafter.__file__).parent / "default_drafter"
     assert (shipped / "model.safetensors").stat().st_size <= 20_000_000
     record = json.loads((shipped / "training.json").read_text())
-    assert record["recipe"] == "default" and record["finished"]
-    assert record["fingerprint"] == run_fingerprint(get_recipe("default"), target_dir)
+    assert record["recipe"] == "shipped" and record["finished"]
+    assert record["fingerprint"] == run_fingerprint(get_recipe("shipped"), target_dir)
 
 
 # -- the draft vocabulary ------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Training a ReDrafter drafter by knowledge distillation from a frozen target.
 
-    vllm-redrafter train --recipe default --output-dir runs/default      # the shipped default
+    vllm-redrafter train --recipe shipped --output-dir runs/shipped      # the shipped drafter
+    vllm-redrafter train --recipe default --output-dir runs/default      # its base, from scratch
     vllm-redrafter train --recipe quick --output-dir /tmp/quick           # minutes, tests use it
     vllm-redrafter train --target MODEL --dataset data.jsonl --output-dir DIR [--labels self]
 

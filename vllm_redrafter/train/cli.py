@@ -1,6 +1,7 @@
 """``vllm-redrafter train``: distil a drafter for a target model from a local dataset.
 
-    vllm-redrafter train --recipe default --output-dir runs/default          # the shipped drafter
+    vllm-redrafter train --recipe shipped --output-dir runs/shipped          # the shipped drafter
+    vllm-redrafter train --recipe default --output-dir runs/default          # its base, from scratch
     vllm-redrafter train --recipe quick --output-dir /tmp/quick               # minutes, CPU
     vllm-redrafter train --target MODEL_DIR --dataset chats.jsonl --output-dir DIR --labels self
     vllm-redrafter train --dataset chats.jsonl --init-from default --output-dir DIR --lr 3e-4
@@ -22,7 +23,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``train`` subcommand on an ``argparse`` subparsers object."""
     p = subparsers.add_parser("train", help="train a ReDrafter drafter by distillation from a target",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="default", help="default | medium | quick")
+    p.add_argument("--recipe", default="default", help="default | shipped | medium | quick")
     p.add_argument("--target", type=Path, default=None,
                    help="target model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dataset", default=None,

@@ -9,6 +9,7 @@ Output directory layout:
     OUTPUT/work/run.json                    what the checkpoint belongs to (target, fingerprint)
     OUTPUT/work/data/                       the distillation dataset (a cache, reused on resume;
                                             with several datasets, data/part1, data/part2, ...)
+    OUTPUT/work/base/                       init_from="recipe:NAME": the base run (same layout)
 
 Nothing trained is ever replaced without ``overwrite``; a directory holding another model's
 drafter, or something that is not a drafter, is refused.
@@ -30,11 +31,12 @@ from torch import nn
 from vllm_redrafter.drafter import DrafterConfig, DrafterMismatchError, RecurrentDrafter
 from vllm_redrafter.train.distill import DistillData, build_data, concat_data, data_fingerprint
 from vllm_redrafter.train.generate import Generator
-from vllm_redrafter.train.recipes import DrafterSpec, Recipe
+from vllm_redrafter.train.recipes import DrafterSpec, Recipe, get_recipe
 from vllm_redrafter.train.trainer import evaluate, format_eval, train_loop, write_json
 from vllm_redrafter.train.vocab import coverage, select_draft_vocab, token_frequencies
 
 WORK, CHECKPOINT, RUN_FILE, SAFETENSORS = "work", "checkpoint.pt", "run.json", "model.safetensors"
+BASE, RECIPE_PREFIX = "base", "recipe:"
 DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "default_drafter"
 FINAL_FILES = ("config.json", SAFETENSORS, "eval.json", "training.json")
 
@@ -61,6 +63,9 @@ def run_fingerprint(recipe: Recipe, target_dir: Path) -> str:
     drafter = asdict(recipe.drafter)
     if drafter["init_from"] is None:  # a fresh drafter: the fingerprint of runs before the option
         drafter.pop("init_from")
+    elif drafter["init_from"].startswith(RECIPE_PREFIX):  # a base run: its own fingerprint
+        base = get_recipe(drafter["init_from"].removeprefix(RECIPE_PREFIX))
+        drafter["init_from"] = RECIPE_PREFIX + run_fingerprint(base, target_dir)
     else:  # the starting weights, wherever they lie
         drafter["init_from"] = _file_sha256(init_drafter_dir(recipe.drafter.init_from) / SAFETENSORS)
     blob = json.dumps({"data": data[0] if len(data) == 1 else data,  # one: as before the option
@@ -69,12 +74,31 @@ def run_fingerprint(recipe: Recipe, target_dir: Path) -> str:
 
 
 def init_drafter_dir(init_from: str) -> Path:
-    """The drafter directory a fine-tuning run starts from ("default": the package's)."""
+    """The drafter directory a fine-tuning run starts from ("default": the package's); for a
+    base recipe see :func:`train_base`."""
     directory = DEFAULT_DRAFTER if init_from == "default" else Path(init_from)
     if not (directory / SAFETENSORS).is_file():
         raise FileNotFoundError(f"init_from: {directory} holds no trained drafter ({SAFETENSORS} "
                                 "missing); give a drafter directory, or 'default'")
     return directory
+
+
+def train_base(recipe: Recipe, target_dir: Path, output_dir: Path,
+               generator: Generator | None) -> Path:
+    """``init_from="recipe:NAME"``: the base recipe's drafter, trained first (resumably) in
+    OUTPUT/work/base, or found there finished (a copy of its run, training.json included, may be
+    put there); the one command then makes both stages."""
+    base = get_recipe(recipe.drafter.init_from.removeprefix(RECIPE_PREFIX))
+    base_dir = output_dir / WORK / BASE
+    record_file = base_dir / "training.json"
+    run_file = base_dir / WORK / RUN_FILE
+    fingerprint = run_fingerprint(base, target_dir)
+    record = json.loads(record_file.read_text()) if record_file.is_file() else {}
+    if not (record.get("finished") and record.get("fingerprint") == fingerprint):
+        print(f"training the base drafter (recipe {base.name!r}) in {base_dir}")
+        resumable = run_file.is_file() and json.loads(run_file.read_text())["fingerprint"] == fingerprint
+        run_training(base, target_dir, base_dir, overwrite=not resumable, generator=generator)
+    return base_dir
 
 
 def _file_sha256(file: Path) -> str:
@@ -223,11 +247,15 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
         raise FileNotFoundError(f"target model directory {target_dir} has no config.json")
     identity = target_identity(target_dir)
     fingerprint = run_fingerprint(recipe, target_dir)
-    init_dir = recipe.drafter.init_from and init_drafter_dir(recipe.drafter.init_from)
+    init_from = recipe.drafter.init_from
+    init_dir = (init_from and not init_from.startswith(RECIPE_PREFIX)
+                and init_drafter_dir(init_from))
     if init_dir and init_dir.resolve() == output_dir.resolve():
         raise OutputDirError(f"init_from and the output dir are both {output_dir}: the run would "
                              "replace the drafter it starts from; choose another --output-dir")
     check_output_dir(output_dir, identity, fingerprint, overwrite)  # before any slow work
+    if init_from and init_from.startswith(RECIPE_PREFIX):
+        init_dir = train_base(recipe, target_dir, output_dir, generator)
     started = time.time()
     train = recipe.train
     device = train.resolved_device()
