@@ -4,7 +4,7 @@
     vllm-redrafter train --recipe default --output-dir runs/default          # its base, from scratch
     vllm-redrafter train --recipe quick --output-dir /tmp/quick               # minutes, CPU
     vllm-redrafter train --target MODEL_DIR --dataset chats.jsonl --output-dir DIR --labels self
-    vllm-redrafter train --dataset chats.jsonl --init-from default --output-dir DIR --lr 3e-4
+    vllm-redrafter train --dataset chats.jsonl --init-from default --output-dir DIR --lr 2e-4 --epochs 1
                                                             # fine-tune the shipped drafter
 
 A recipe (recipes.py) sets every default; the flags override single settings. A killed run
