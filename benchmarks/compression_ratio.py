@@ -18,13 +18,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vllm_redrafter.beam_search import beam_search
+from vllm_redrafter.demo import DEFAULT_DRAFTER
 from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
 from vllm_redrafter.reference_loop import chat_prompt_ids, greedy_generate
 from vllm_redrafter.target import prepare_target
 from vllm_redrafter.tree import build_tree
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
-DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "vllm_redrafter" / "default_drafter"
 
 
 def load_drafter(path: Path | None, model) -> tuple[RecurrentDrafter, str]:

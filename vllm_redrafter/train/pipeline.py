@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vllm_redrafter.demo import DEFAULT_DRAFTER
 from vllm_redrafter.drafter import DrafterConfig, DrafterMismatchError, RecurrentDrafter
 from vllm_redrafter.train.distill import DistillData, build_data, concat_data, data_fingerprint
 from vllm_redrafter.train.generate import Generator
@@ -37,7 +38,6 @@ from vllm_redrafter.train.vocab import coverage, select_draft_vocab, token_frequ
 
 WORK, CHECKPOINT, RUN_FILE, SAFETENSORS = "work", "checkpoint.pt", "run.json", "model.safetensors"
 BASE, RECIPE_PREFIX = "base", "recipe:"
-DEFAULT_DRAFTER = Path(__file__).resolve().parents[1] / "default_drafter"
 FINAL_FILES = ("config.json", SAFETENSORS, "eval.json", "training.json")
 
 
@@ -248,13 +248,13 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
     identity = target_identity(target_dir)
     fingerprint = run_fingerprint(recipe, target_dir)
     init_from = recipe.drafter.init_from
-    init_dir = (init_from and not init_from.startswith(RECIPE_PREFIX)
-                and init_drafter_dir(init_from))
+    from_base_recipe = init_from is not None and init_from.startswith(RECIPE_PREFIX)
+    init_dir = init_drafter_dir(init_from) if init_from and not from_base_recipe else None
     if init_dir and init_dir.resolve() == output_dir.resolve():
         raise OutputDirError(f"init_from and the output dir are both {output_dir}: the run would "
                              "replace the drafter it starts from; choose another --output-dir")
     check_output_dir(output_dir, identity, fingerprint, overwrite)  # before any slow work
-    if init_from and init_from.startswith(RECIPE_PREFIX):
+    if from_base_recipe:
         init_dir = train_base(recipe, target_dir, output_dir, generator)
     started = time.time()
     train = recipe.train
