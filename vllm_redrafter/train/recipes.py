@@ -101,6 +101,14 @@ class Recipe:
         return (self.data, *self.extra_data)
 
 
+def _answers_128(seed: int, **counts: int) -> DataSpec:
+    """A built-in dataset of the given prompt counts, answered in up to 128 tokens."""
+    builtin = BuiltinSpec(**{"templated": 0, "text": 0, "self_instruct": 0, "documents": 0,
+                             "constrained": 0, **counts, "seed": seed})
+    return DataSpec(dataset="builtin", labels="self", num_draft_tokens=5, response_tokens=128,
+                    max_len=1024, heldout_fraction=0.03, builtin=builtin)
+
+
 RECIPES: dict[str, Recipe] = {
     "default": Recipe(
         name="default",
@@ -112,30 +120,18 @@ RECIPES: dict[str, Recipe] = {
         train=TrainConfig(epochs=2.0, batch_size=1024, lr=2e-3, warmup_steps=50, save_every=100,
                           soft_label_weight=0.5),
         save_dtype="float16",
-        extra_data=(DataSpec(dataset="builtin", labels="self", num_draft_tokens=5,
-                             response_tokens=128, max_len=1024, heldout_fraction=0.03,
-                             builtin=BuiltinSpec(templated=0, text=0, self_instruct=0, seed=0,
-                                                 documents=0, constrained=0, detailed=3200)),
-                    DataSpec(dataset="builtin", labels="self", num_draft_tokens=5,
-                             response_tokens=128, max_len=1024, heldout_fraction=0.03,
-                             builtin=BuiltinSpec(templated=0, text=0, self_instruct=0, seed=1,
-                                                 documents=0, constrained=0, detailed=4000))),
+        extra_data=(_answers_128(seed=0, detailed=3200), _answers_128(seed=1, detailed=4000)),
     ),
     "shipped": Recipe(
         name="shipped",
-        data=DataSpec(dataset="builtin", labels="self", num_draft_tokens=5, response_tokens=128,
-                      max_len=1024, heldout_fraction=0.03,
-                      builtin=BuiltinSpec(templated=0, text=0, self_instruct=0, seed=0,
-                                          documents=0, constrained=0, specific=4000)),
+        data=_answers_128(seed=0, specific=4000),
         drafter=DrafterSpec(num_draft_layers=2, draft_vocab_size=5632, head_init="random",
                             init_from="recipe:default"),
         train=TrainConfig(epochs=1.0, batch_size=1024, lr=2e-4, warmup_steps=20, save_every=100,
                           soft_label_weight=0.5),
         save_dtype="float16",
-        extra_data=(DataSpec(dataset="builtin", labels="self", num_draft_tokens=5,
-                             response_tokens=128, max_len=1024, heldout_fraction=0.03,
-                             builtin=BuiltinSpec(templated=200, text=0, self_instruct=1000, seed=1,
-                                                 documents=300, constrained=300)),),
+        extra_data=(_answers_128(seed=1, templated=200, self_instruct=1000, documents=300,
+                                 constrained=300),),
     ),
     "medium": Recipe(
         name="medium",
