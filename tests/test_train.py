@@ -406,10 +406,12 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
     from vllm_redrafter.train import prompts as builtin
     from vllm_redrafter.train.detailed_prompts import detailed_prompts
     from vllm_redrafter.train.specific_prompts import specific_prompts
+    from vllm_redrafter.train.written_prompts import written_prompts, written_stock
 
     sources = {"templated": builtin.templated_prompts, "text": builtin.text_prompts,
                "documents": builtin.document_prompts, "constrained": builtin.constrained_prompts,
-               "detailed": detailed_prompts, "specific": specific_prompts}
+               "detailed": detailed_prompts, "specific": specific_prompts,
+               "written": written_prompts}
     made = {name: make(40, 0) for name, make in sources.items()}
     assert made == {name: make(40, 0) for name, make in sources.items()}  # the seed decides
     assert made["documents"] != builtin.document_prompts(40, 1)
@@ -419,8 +421,24 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
         assert len(prompts) == 40 and len(set(prompts)) >= 36, name
     windows = {" ".join(q.split()[i:i + 6]) for q in mt_bench_questions
                for i in range(max(1, len(q.split()) - 5))}
+    made["all written"] = [prompt for _, prompt in written_stock()]
     leaked = [w for prompts in made.values() for p in prompts for w in windows if w in p]
     assert not leaked, f"built-in prompts repeat MT-Bench questions: {leaked[:3]}"
+
+
+def test_written_prompts_take_the_kinds_in_turn_and_refuse_more_than_the_stock():
+    from vllm_redrafter.train.written_prompts import written_prompts, written_stock
+
+    stock = written_stock()
+    kinds = {prompt: kind for kind, prompt in stock}
+    assert len(kinds) == len(stock)  # no request twice
+    assert len({kind for kind, _ in stock}) == 8
+    every = written_prompts(len(stock), seed=3)
+    assert sorted(every) == sorted(kinds) and every != written_prompts(len(stock), seed=4)
+    first = [kinds[p] for p in every[:8]]
+    assert len(set(first)) == 8  # one of each kind before any kind's second
+    with pytest.raises(ValueError, match="stock holds"):
+        written_prompts(len(stock) + 1, seed=0)
 
 
 def test_shipped_drafter_fits_its_budget_and_is_the_shipped_recipes(target_dir):

@@ -43,6 +43,7 @@ from vllm_redrafter.train.data import DatasetError, Example, prompt_ids, read_da
 from vllm_redrafter.train.detailed_prompts import detailed_prompts
 from vllm_redrafter.train.generate import GenRequest, GenSettings, Generator, vllm_generate
 from vllm_redrafter.train.specific_prompts import specific_prompts
+from vllm_redrafter.train.written_prompts import written_prompts
 
 LABEL_MODES = ("self", "distill", "ground-truth")
 BUILTIN = "builtin"
@@ -61,6 +62,7 @@ class BuiltinSpec:
     constrained: int = 0  # several instructions at once, multi-part questions
     detailed: int = 0  # long, specific requests in eight kinds of task (detailed_prompts.py)
     specific: int = 0  # the same kinds from another stock of templates (specific_prompts.py)
+    written: int = 0  # requests written one by one, not from templates (written_prompts.py)
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,7 @@ def data_fingerprint(spec: DataSpec, target_dir: Path) -> str:
     spec_dict = asdict(spec)
     gen = spec_dict.pop("gen")
     spec_dict["gen_dtype"] = gen["dtype"]
-    for source in ("detailed", "specific"):  # the fingerprints of builds from before the source
+    for source in ("detailed", "specific", "written"):  # the fingerprints of builds from before the source
         if spec_dict["builtin"][source] == 0:
             spec_dict["builtin"].pop(source)
     digest.update(json.dumps(spec_dict, sort_keys=True).encode())
@@ -204,6 +206,7 @@ def _builtin_prompt_ids(spec: DataSpec, tokenizer, gen) -> list[list[int]]:
     questions += builtin_prompts.constrained_prompts(b.constrained, b.seed)
     questions += detailed_prompts(b.detailed, b.seed)
     questions += specific_prompts(b.specific, b.seed)
+    questions += written_prompts(b.written, b.seed)
     if b.self_instruct:
         # No per-request seeds: vLLM 0.32 on CPU crashes when a seeded request's prefill is chunked
         # (Generator.get_offset is CUDA-only); the engine's fixed seed makes the run reproducible.
