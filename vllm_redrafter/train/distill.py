@@ -180,7 +180,8 @@ def data_fingerprint(spec: DataSpec, target_dir: Path) -> str:
     spec_dict = asdict(spec)
     gen = spec_dict.pop("gen")
     spec_dict["gen_dtype"] = gen["dtype"]
-    for source in ("detailed", "specific", "written"):  # the fingerprints of builds from before the source
+    # a source at 0 is left out: builds from before the source keep their fingerprints
+    for source in ("detailed", "specific", "written"):
         if spec_dict["builtin"][source] == 0:
             spec_dict["builtin"].pop(source)
     digest.update(json.dumps(spec_dict, sort_keys=True).encode())

@@ -9,7 +9,8 @@ varied in length (a line to a paragraph with context, documents and code include
 subject; written for this package on 2026-11-27. None repeats an MT-Bench question (no six-word
 window in common, ``tests/test_train.py``; the two closest in form, a triangle's area from its
 vertices and a two-dice total, were taken out). Stored in ``written_prompts.jsonl`` beside this
-module, one ``{"kind": ..., "prompt": ...}`` per line.
+module, one ``{"kind": ..., "prompt": ...}`` per line. A dataset's fingerprint names how many
+requests it takes, not their text: keep the stock as it is, and add new requests as a new source.
 """
 
 from __future__ import annotations
