@@ -421,7 +421,7 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
         assert len(prompts) == 40 and len(set(prompts)) >= 36, name
     windows = {" ".join(q.split()[i:i + 6]) for q in mt_bench_questions
                for i in range(max(1, len(q.split()) - 5))}
-    made["all written"] = [prompt for _, prompt in written_stock()]
+    made["all written"] = [prompt for stock in (1, 2) for _, prompt in written_stock(stock)]
     leaked = [w for prompts in made.values() for p in prompts for w in windows if w in p]
     assert not leaked, f"built-in prompts repeat MT-Bench questions: {leaked[:3]}"
 
@@ -429,16 +429,22 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
 def test_written_prompts_take_the_kinds_in_turn_and_refuse_more_than_the_stock():
     from vllm_redrafter.train.written_prompts import written_prompts, written_stock
 
-    stock = written_stock()
-    kinds = {prompt: kind for kind, prompt in stock}
-    assert len(kinds) == len(stock)  # no request twice
-    assert len({kind for kind, _ in stock}) == 8
-    every = written_prompts(len(stock), seed=3)
-    assert sorted(every) == sorted(kinds) and every != written_prompts(len(stock), seed=4)
-    first = [kinds[p] for p in every[:8]]
-    assert len(set(first)) == 8  # one of each kind before any kind's second
-    with pytest.raises(ValueError, match="stock holds"):
-        written_prompts(len(stock) + 1, seed=0)
+    seen: set[str] = set()
+    for stock in (1, 2):
+        requests = written_stock(stock)
+        kinds = {prompt: kind for kind, prompt in requests}
+        assert len(kinds) == len(requests) and not seen & set(kinds)  # no request twice
+        seen |= set(kinds)
+        assert len({kind for kind, _ in requests}) == 8
+        every = written_prompts(len(requests), seed=3, stock=stock)
+        assert sorted(every) == sorted(kinds)
+        assert every != written_prompts(len(requests), seed=4, stock=stock)
+        first = [kinds[p] for p in every[:8]]
+        assert len(set(first)) == 8  # one of each kind before any kind's second
+        with pytest.raises(ValueError, match=f"stock {stock} holds {len(requests)} "):
+            written_prompts(len(requests) + 1, seed=0, stock=stock)
+    with pytest.raises(ValueError, match="no written stock 3"):
+        written_prompts(1, seed=0, stock=3)
 
 
 def test_shipped_drafter_fits_its_budget_and_is_the_shipped_recipes(target_dir):

@@ -9,8 +9,10 @@ varied in length (a line to a paragraph with context, documents and code include
 subject; written for this package on 2026-11-27. None repeats an MT-Bench question (no six-word
 window in common, ``tests/test_train.py``; the two closest in form, a triangle's area from its
 vertices and a two-dice total, were taken out). Stored in ``written_prompts.jsonl`` beside this
-module, one ``{"kind": ..., "prompt": ...}`` per line. A dataset's fingerprint names how many
-requests it takes, not their text: keep the stock as it is, and add new requests as a new source.
+module, one ``{"kind": ..., "prompt": ...}`` per line. A second stock of 680 more (85 per kind,
+chosen not to ask what the first asks), ``written_prompts_2.jsonl``, is the source ``written_2``.
+A dataset's fingerprint names how many requests it takes, not their text: keep a stock as it is,
+and add new requests as a new stock.
 """
 
 from __future__ import annotations
@@ -20,24 +22,28 @@ import random
 from functools import cache
 from pathlib import Path
 
-WRITTEN_FILE = Path(__file__).with_name("written_prompts.jsonl")
+STOCK_FILES = {1: Path(__file__).with_name("written_prompts.jsonl"),
+               2: Path(__file__).with_name("written_prompts_2.jsonl")}
 
 
 @cache
-def written_stock() -> tuple[tuple[str, str], ...]:
-    """(kind, prompt) of every written request, in the file's order."""
-    rows = [json.loads(line) for line in WRITTEN_FILE.read_text().splitlines() if line.strip()]
+def written_stock(stock: int = 1) -> tuple[tuple[str, str], ...]:
+    """(kind, prompt) of every written request of a stock, in the file's order."""
+    if stock not in STOCK_FILES:
+        raise ValueError(f"no written stock {stock}; stocks: {sorted(STOCK_FILES)}")
+    lines = STOCK_FILES[stock].read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
     return tuple((row["kind"], row["prompt"]) for row in rows)
 
 
-def written_prompts(n: int, seed: int) -> list[str]:
-    """``n`` of the written requests, the kinds in turn, each kind's order shuffled by ``seed``."""
-    stock = written_stock()
-    if n > len(stock):
-        raise ValueError(f"written={n}: the stock holds {len(stock)} written requests")
+def written_prompts(n: int, seed: int, stock: int = 1) -> list[str]:
+    """``n`` of a stock's requests, the kinds in turn, each kind's order shuffled by ``seed``."""
+    requests = written_stock(stock)
+    if n > len(requests):
+        raise ValueError(f"written={n}: stock {stock} holds {len(requests)} written requests")
     rng = random.Random(seed)
     by_kind: dict[str, list[str]] = {}
-    for kind, prompt in stock:
+    for kind, prompt in requests:
         by_kind.setdefault(kind, []).append(prompt)
     for prompts in by_kind.values():
         rng.shuffle(prompts)
