@@ -7,7 +7,9 @@ slow test builds the quick recipe's data with vLLM itself (one engine start) and
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -419,10 +421,17 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
         assert len(set(many(2000, 0))) == 2000
     for name, prompts in made.items():
         assert len(prompts) == 40 and len(set(prompts)) >= 36, name
-    windows = {" ".join(q.split()[i:i + 6]) for q in mt_bench_questions
-               for i in range(max(1, len(q.split()) - 5))}
+    made["written_2"] = written_prompts(40, 0, stock=2)
+
+    def words(text: str) -> list[str]:
+        return text.lower().split()
+
+    windows = {" ".join(words(q)[i:i + 6]) for q in mt_bench_questions
+               for i in range(max(1, len(words(q)) - 5))}
+    windows.discard("take on the role of a")  # a phrase, not a question: the roles differ
     made["all written"] = [prompt for stock in (1, 2) for _, prompt in written_stock(stock)]
-    leaked = [w for prompts in made.values() for p in prompts for w in windows if w in p]
+    leaked = [w for prompts in made.values() for p in prompts for w in windows
+              if w in " ".join(words(p))]
     assert not leaked, f"built-in prompts repeat MT-Bench questions: {leaked[:3]}"
 
 
@@ -439,12 +448,32 @@ def test_written_prompts_take_the_kinds_in_turn_and_refuse_more_than_the_stock()
         every = written_prompts(len(requests), seed=3, stock=stock)
         assert sorted(every) == sorted(kinds)
         assert every != written_prompts(len(requests), seed=4, stock=stock)
-        first = [kinds[p] for p in every[:8]]
-        assert len(set(first)) == 8  # one of each kind before any kind's second
+        rounds = min(Counter(kinds.values()).values())
+        for r in range(rounds):  # one of each kind before any kind's next
+            assert len({kinds[p] for p in every[8 * r: 8 * r + 8]}) == 8
         with pytest.raises(ValueError, match=f"stock {stock} holds {len(requests)} "):
             written_prompts(len(requests) + 1, seed=0, stock=stock)
     with pytest.raises(ValueError, match="no written stock 3"):
         written_prompts(1, seed=0, stock=3)
+    with pytest.raises(ValueError, match="written_2=-1"):
+        written_prompts(-1, seed=0, stock=2)
+
+
+# A dataset's fingerprint counts the written requests it takes, not their text: a stock that
+# changed would leave cached builds and the shipped drafter's record looking current.
+WRITTEN_STOCK_SHA256 = {
+    "written_prompts.jsonl": "45fd5437229ab368052d66ec93b2292a08effdb63cfedbb599bb29c1b634ec45",
+    "written_prompts_2.jsonl": "d26b570f08472806ca967ef2f281fe3789fa66f98687e8d718da1532da7dbdfb",
+}
+
+
+def test_written_stocks_are_as_they_were_trained_on():
+    from vllm_redrafter.train.written_prompts import STOCK_FILES
+
+    assert {f.name for f in STOCK_FILES.values()} == set(WRITTEN_STOCK_SHA256)
+    for file in STOCK_FILES.values():
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        assert digest == WRITTEN_STOCK_SHA256[file.name], f"{file.name} changed: add a new stock"
 
 
 def test_shipped_drafter_fits_its_budget_and_is_the_shipped_recipes(target_dir):

@@ -3,20 +3,20 @@
 ``shipped``: the drafter shipped with the package for the embedded SmolLM2-135M-Instruct target:
     ``default``'s drafter (trained first, in OUTPUT/work/base), fine-tuned for one epoch at a low
     learning rate, soft labels at 0.5, on three more built-in datasets: (4) 4,000 requests in
-    MT-Bench's eight kinds from a second stock of templates (specific_prompts.py, seed 0;
-    128-token answers, 461,515 positions, 41 min of data on a 2-core AVX-512 EPYC), (5) 1,776
-    prompts of dataset (1)'s kinds drawn again (seed 1; 175,108 positions, 21 min of data) and
-    (6) the 1,358 requests written one by one (written_prompts.py; 162,228 positions, 18 min of
-    data). A fine-tuning stage adds data without building the base's again; (5) keeps the base's
-    kinds in the stage: on (4) alone the base forgot some of them (held-out top-1 on (5) 0.64 ->
-    0.61) and MT-Bench W=4 L=4 rose to 1.932 only; with (5), 1.949; with (6) too, 1.97 (1.970;
-    the base 1.921): prompts that are not from templates carry further to new prompts. 30 min of
-    training (757 steps, 2.35 s each in float32 on the EPYC). Held-out top-1 on (4)-(6) 0.62 /
-    0.58 / 0.57 / 0.57 / 0.56.
+    MT-Bench's eight kinds from a second stock of templates (specific_prompts.py, seed 0; 128-token
+    answers, 461,515 positions, 41 min of data on a 2-core AVX-512 EPYC), (5) 1,776 prompts of
+    dataset (1)'s kinds drawn again (seed 1; 175,108 positions, 21 min of data) and (7) the 1,358
+    requests written one by one (written_prompts.py; 162,228 positions, 18 min of data; HISTORY.md's
+    dataset 6 was a second draw of (5)'s kinds, not taken). A fine-tuning stage adds data without
+    building the base's again; (5) keeps the base's kinds in the stage: on (4) alone the base forgot
+    some of them (held-out top-1 on (5) 0.64 -> 0.61) and MT-Bench W=4 L=4 rose to 1.932 only; with
+    (5), 1.949; with (7) too, 1.97 (1.970; the base 1.921): prompts that are not from templates
+    carry further to new prompts. 30 min of training (757 steps, 2.35 s each in float32 on the
+    EPYC). Held-out top-1 on (4), (5) and (7) 0.62 / 0.58 / 0.57 / 0.57 / 0.56.
 ``default``: the from-scratch recipe (what ``train`` runs without ``--recipe``) and the base of
-    ``shipped`` (the drafter shipped before the last three), trained on three built-in local datasets
-    (prompts.py, detailed_prompts.py; no network, never the MT-Bench questions), each built and
-    cached on its own: (1) templated requests, requests
+    ``shipped`` (the drafter shipped before the last three), trained on three built-in local
+    datasets (prompts.py, detailed_prompts.py; no network, never the MT-Bench questions), each
+    built and cached on its own: (1) templated requests, requests
     over local text, over small documents (extraction, tables, JSON) and with several
     constraints, and questions the target writes itself per task kind, answered in up to 256
     tokens (6,827 prompts, 1.16M positions); (2) 3,200 long, specific requests in MT-Bench's

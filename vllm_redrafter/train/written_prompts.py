@@ -1,18 +1,19 @@
 """Written requests: a stock of user requests written one by one, not drawn from templates.
 
 Why: the drafter's acceptance on prompts like its training prompts is far above its acceptance on
-new ones. The shipped 1.95 drafter reaches 2.76 tokens per step (reference loop, W=4 L=4, 64
-tokens) on 40 held-out prompts of its template-made dataset 4, against 1.95 on MT-Bench: it has
-learned the templates' answers, and every template stock added less than the one before. Each
-request here is its own: 1,358 of them, about 170 in each of MT-Bench's eight kinds of task,
-varied in length (a line to a paragraph with context, documents and code included), wording and
-subject; written for this package on 2026-11-27. None repeats an MT-Bench question (no six-word
-window in common, ``tests/test_train.py``; the two closest in form, a triangle's area from its
-vertices and a two-dice total, were taken out). Stored in ``written_prompts.jsonl`` beside this
-module, one ``{"kind": ..., "prompt": ...}`` per line. A second stock of 680 more (85 per kind,
-chosen not to ask what the first asks), ``written_prompts_2.jsonl``, is the source ``written_2``.
-A dataset's fingerprint names how many requests it takes, not their text: keep a stock as it is,
-and add new requests as a new stock.
+new ones. The 1.95 drafter reached 2.76 tokens per step (reference loop, W=4 L=4, 64 tokens) on
+40 held-out prompts of its template-made dataset 4, against 1.95 on MT-Bench: it had learned the
+templates' answers, and every template stock added less than the one before. Each request here is
+its own: 1,358 of them, about 170 in each of MT-Bench's eight kinds of task, varied in length (a
+line to a paragraph with context, documents and code included), wording and subject; written for
+this package on 2026-11-27. None repeats an MT-Bench question: no six-word window in common,
+case and spacing aside, but for the phrase "take on the role of a" (``tests/test_train.py``);
+the two closest in form, a triangle's area from its vertices and a two-dice total, were taken
+out. Stored in ``written_prompts.jsonl`` beside this module, one ``{"kind": ..., "prompt": ...}``
+per line. A second stock of 680 more (85 per kind, chosen not to ask what the first asks),
+``written_prompts_2.jsonl``, is the source ``written_2``. A dataset's fingerprint names how many
+requests it takes, not their text: a stock stays as it is (a test pins each file's hash), and new
+requests go in a new stock.
 """
 
 from __future__ import annotations
@@ -31,16 +32,19 @@ def written_stock(stock: int = 1) -> tuple[tuple[str, str], ...]:
     """(kind, prompt) of every written request of a stock, in the file's order."""
     if stock not in STOCK_FILES:
         raise ValueError(f"no written stock {stock}; stocks: {sorted(STOCK_FILES)}")
-    lines = STOCK_FILES[stock].read_text().splitlines()
+    lines = STOCK_FILES[stock].read_text(encoding="utf-8").splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
     return tuple((row["kind"], row["prompt"]) for row in rows)
 
 
 def written_prompts(n: int, seed: int, stock: int = 1) -> list[str]:
     """``n`` of a stock's requests, the kinds in turn, each kind's order shuffled by ``seed``."""
+    if n == 0:
+        return []
     requests = written_stock(stock)
-    if n > len(requests):
-        raise ValueError(f"written={n}: stock {stock} holds {len(requests)} written requests")
+    if not 0 < n <= len(requests):
+        source = "written" if stock == 1 else f"written_{stock}"
+        raise ValueError(f"{source}={n}: stock {stock} holds {len(requests)} written requests")
     rng = random.Random(seed)
     by_kind: dict[str, list[str]] = {}
     for kind, prompt in requests:
