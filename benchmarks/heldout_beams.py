@@ -40,10 +40,11 @@ def main() -> None:
     rows = []
     for drafter_dir in args.drafter:
         drafter = RecurrentDrafter.from_pretrained(drafter_dir, embedding, dtype=torch.float32)
+        drafter.eval()
         for name, data in datasets.items():
             for length in args.lengths:
                 for width in args.widths:
-                    row = heldout_tokens_per_step(drafter.eval(), data, width, length,
+                    row = heldout_tokens_per_step(drafter, data, width, length,
                                                   args.max_positions)
                     rows.append({"drafter": str(drafter_dir), "data": name, **row})
                     print(f"{drafter_dir}  {name}  W={width} L={length}  tokens/step "

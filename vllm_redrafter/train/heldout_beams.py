@@ -48,13 +48,13 @@ def heldout_tokens_per_step(drafter: RecurrentDrafter, data: DistillData, beam_w
         raise ValueError("the dataset has no held-out positions")
     pick = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(seed))
     idx = idx[pick[:max_positions]].sort().values
-    device = next(drafter.parameters()).device
+    weight = next(drafter.parameters())  # where and in what dtype the drafter runs
     accepted = []
     for start in range(0, idx.numel(), batch_size):
         batch = idx[start: start + batch_size]
-        h = data.hidden(batch).to(device=device, dtype=next(drafter.parameters()).dtype)
-        out = beam_search(drafter, h, data.g0[batch].to(device), beam_width, beam_length)
-        accepted.append(accepted_drafts(out.beams, data.labels[batch].to(device)).cpu())
+        h = data.hidden(batch).to(device=weight.device, dtype=weight.dtype)
+        out = beam_search(drafter, h, data.g0[batch].to(weight.device), beam_width, beam_length)
+        accepted.append(accepted_drafts(out.beams, data.labels[batch].to(weight.device)).cpu())
     counts = torch.cat(accepted)
     return {"positions": int(counts.numel()), "beam_width": beam_width,
             "beam_length": beam_length,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import random
 from functools import cache
+from itertools import chain, zip_longest
 from pathlib import Path
 
 STOCK_FILES = {1: Path(__file__).with_name("written_prompts.jsonl"),
@@ -52,11 +53,5 @@ def written_prompts(n: int, seed: int, stock: int = 1) -> list[str]:
         by_kind.setdefault(kind, []).append(prompt)
     for prompts in by_kind.values():
         rng.shuffle(prompts)
-    in_turn = [p for group in _zip_longest(list(by_kind.values())) for p in group]
+    in_turn = [p for p in chain.from_iterable(zip_longest(*by_kind.values())) if p is not None]
     return in_turn[:n]
-
-
-def _zip_longest(lists: list[list[str]]) -> list[list[str]]:
-    """Round i holds the i-th element of each list that has one."""
-    return [[items[i] for items in lists if i < len(items)]
-            for i in range(max((len(items) for items in lists), default=0))]
