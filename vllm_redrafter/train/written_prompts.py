@@ -26,7 +26,8 @@ from itertools import chain, zip_longest
 from pathlib import Path
 
 STOCK_FILES = {1: Path(__file__).with_name("written_prompts.jsonl"),
-               2: Path(__file__).with_name("written_prompts_2.jsonl")}
+               2: Path(__file__).with_name("written_prompts_2.jsonl"),
+               3: Path(__file__).with_name("written_prompts_3.jsonl")}
 
 
 @cache
