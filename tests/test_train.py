@@ -423,6 +423,7 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
         assert len(prompts) == 40 and len(set(prompts)) >= 36, name
     made["written_2"] = written_prompts(40, 0, stock=2)
     made["written_3"] = written_prompts(40, 0, stock=3)
+    made["written_4"] = written_prompts(40, 0, stock=4)
 
     def words(text: str) -> list[str]:
         return text.lower().split()
@@ -430,7 +431,7 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
     windows = {" ".join(words(q)[i:i + 6]) for q in mt_bench_questions
                for i in range(max(1, len(words(q)) - 5))}
     windows.discard("take on the role of a")  # a phrase, not a question: the roles differ
-    made["all written"] = [prompt for stock in (1, 2, 3) for _, prompt in written_stock(stock)]
+    made["all written"] = [prompt for stock in (1, 2, 3, 4) for _, prompt in written_stock(stock)]
     leaked = [w for prompts in made.values() for p in prompts for w in windows
               if w in " ".join(words(p))]
     assert not leaked, f"built-in prompts repeat MT-Bench questions: {leaked[:3]}"
@@ -440,7 +441,7 @@ def test_written_prompts_take_the_kinds_in_turn_and_refuse_more_than_the_stock()
     from vllm_redrafter.train.written_prompts import written_prompts, written_stock
 
     seen: set[str] = set()
-    for stock in (1, 2, 3):
+    for stock in (1, 2, 3, 4):
         requests = written_stock(stock)
         kinds = {prompt: kind for kind, prompt in requests}
         assert len(kinds) == len(requests) and not seen & set(kinds)  # no request twice
@@ -454,8 +455,8 @@ def test_written_prompts_take_the_kinds_in_turn_and_refuse_more_than_the_stock()
             assert len({kinds[p] for p in every[8 * r: 8 * r + 8]}) == 8
         with pytest.raises(ValueError, match=f"stock {stock} holds {len(requests)} "):
             written_prompts(len(requests) + 1, seed=0, stock=stock)
-    with pytest.raises(ValueError, match="no written stock 4"):
-        written_prompts(1, seed=0, stock=4)
+    with pytest.raises(ValueError, match="no written stock 5"):
+        written_prompts(1, seed=0, stock=5)
     with pytest.raises(ValueError, match="written_2=-1"):
         written_prompts(-1, seed=0, stock=2)
 
@@ -466,6 +467,7 @@ WRITTEN_STOCK_SHA256 = {
     "written_prompts.jsonl": "45fd5437229ab368052d66ec93b2292a08effdb63cfedbb599bb29c1b634ec45",
     "written_prompts_2.jsonl": "d26b570f08472806ca967ef2f281fe3789fa66f98687e8d718da1532da7dbdfb",
     "written_prompts_3.jsonl": "bf9dfe14949e1eab032fdd98077c36612d86287dc3e560d3590952e9dd607c72",
+    "written_prompts_4.jsonl": "2e521425d91ba206048e5ef109389915b0034b128cc1ec9f1cfb87fa7f012ae8",
 }
 
 

@@ -65,6 +65,7 @@ class BuiltinSpec:
     written: int = 0  # requests written one by one, not from templates (written_prompts.py)
     written_2: int = 0  # a second stock of them (written_prompts_2.jsonl)
     written_3: int = 0  # a third (written_prompts_3.jsonl)
+    written_4: int = 0  # a fourth (written_prompts_4.jsonl)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ def data_fingerprint(spec: DataSpec, target_dir: Path) -> str:
     gen = spec_dict.pop("gen")
     spec_dict["gen_dtype"] = gen["dtype"]
     # a source at 0 is left out: builds from before the source keep their fingerprints
-    for source in ("detailed", "specific", "written", "written_2", "written_3"):
+    for source in ("detailed", "specific", "written", "written_2", "written_3",
+                   "written_4"):
         if spec_dict["builtin"][source] == 0:
             spec_dict["builtin"].pop(source)
     digest.update(json.dumps(spec_dict, sort_keys=True).encode())
@@ -212,6 +214,7 @@ def _builtin_prompt_ids(spec: DataSpec, tokenizer, gen) -> list[list[int]]:
     questions += written_prompts(b.written, b.seed)
     questions += written_prompts(b.written_2, b.seed, stock=2)
     questions += written_prompts(b.written_3, b.seed, stock=3)
+    questions += written_prompts(b.written_4, b.seed, stock=4)
     if b.self_instruct:
         # No per-request seeds: vLLM 0.32 on CPU crashes when a seeded request's prefill is chunked
         # (Generator.get_offset is CUDA-only); the engine's fixed seed makes the run reproducible.

@@ -27,7 +27,8 @@ from pathlib import Path
 
 STOCK_FILES = {1: Path(__file__).with_name("written_prompts.jsonl"),
                2: Path(__file__).with_name("written_prompts_2.jsonl"),
-               3: Path(__file__).with_name("written_prompts_3.jsonl")}
+               3: Path(__file__).with_name("written_prompts_3.jsonl"),
+               4: Path(__file__).with_name("written_prompts_4.jsonl")}
 
 
 @cache
