@@ -184,8 +184,7 @@ def data_fingerprint(spec: DataSpec, target_dir: Path) -> str:
     gen = spec_dict.pop("gen")
     spec_dict["gen_dtype"] = gen["dtype"]
     # a source at 0 is left out: builds from before the source keep their fingerprints
-    for source in ("detailed", "specific", "written", "written_2", "written_3",
-                   "written_4"):
+    for source in ("detailed", "specific", "written", "written_2", "written_3", "written_4"):
         if spec_dict["builtin"][source] == 0:
             spec_dict["builtin"].pop(source)
     digest.update(json.dumps(spec_dict, sort_keys=True).encode())
