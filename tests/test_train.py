@@ -437,10 +437,10 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
 
 
 def test_written_prompts_take_the_kinds_in_turn_and_refuse_more_than_the_stock():
-    from vllm_redrafter.train.written_prompts import written_prompts, written_stock
+    from vllm_redrafter.train.written_prompts import STOCK_FILES, written_prompts, written_stock
 
     seen: set[str] = set()
-    for stock in (1, 2, 3, 4):
+    for stock in sorted(STOCK_FILES):
         requests = written_stock(stock)
         kinds = {prompt: kind for kind, prompt in requests}
         assert len(kinds) == len(requests) and not seen & set(kinds)  # no request twice

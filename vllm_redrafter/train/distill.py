@@ -43,7 +43,7 @@ from vllm_redrafter.train.data import DatasetError, Example, prompt_ids, read_da
 from vllm_redrafter.train.detailed_prompts import detailed_prompts
 from vllm_redrafter.train.generate import GenRequest, GenSettings, Generator, vllm_generate
 from vllm_redrafter.train.specific_prompts import specific_prompts
-from vllm_redrafter.train.written_prompts import written_prompts
+from vllm_redrafter.train.written_prompts import STOCK_FILES, source_name, written_prompts
 
 LABEL_MODES = ("self", "distill", "ground-truth")
 BUILTIN = "builtin"
@@ -184,7 +184,7 @@ def data_fingerprint(spec: DataSpec, target_dir: Path) -> str:
     gen = spec_dict.pop("gen")
     spec_dict["gen_dtype"] = gen["dtype"]
     # a source at 0 is left out: builds from before the source keep their fingerprints
-    for source in ("detailed", "specific", "written", "written_2", "written_3", "written_4"):
+    for source in ("detailed", "specific", *map(source_name, STOCK_FILES)):
         if spec_dict["builtin"][source] == 0:
             spec_dict["builtin"].pop(source)
     digest.update(json.dumps(spec_dict, sort_keys=True).encode())
@@ -210,10 +210,8 @@ def _builtin_prompt_ids(spec: DataSpec, tokenizer, gen) -> list[list[int]]:
     questions += builtin_prompts.constrained_prompts(b.constrained, b.seed)
     questions += detailed_prompts(b.detailed, b.seed)
     questions += specific_prompts(b.specific, b.seed)
-    questions += written_prompts(b.written, b.seed)
-    questions += written_prompts(b.written_2, b.seed, stock=2)
-    questions += written_prompts(b.written_3, b.seed, stock=3)
-    questions += written_prompts(b.written_4, b.seed, stock=4)
+    for stock in STOCK_FILES:  # a field of BuiltinSpec per stock, in the stocks' order
+        questions += written_prompts(getattr(b, source_name(stock)), b.seed, stock=stock)
     if b.self_instruct:
         # No per-request seeds: vLLM 0.32 on CPU crashes when a seeded request's prefill is chunked
         # (Generator.get_offset is CUDA-only); the engine's fixed seed makes the run reproducible.

@@ -34,6 +34,11 @@ STOCK_FILES = {1: Path(__file__).with_name("written_prompts.jsonl"),
                4: Path(__file__).with_name("written_prompts_4.jsonl")}
 
 
+def source_name(stock: int) -> str:
+    """The built-in dataset's source of a stock: ``written``, then ``written_2``, ..."""
+    return "written" if stock == 1 else f"written_{stock}"
+
+
 @cache
 def written_stock(stock: int = 1) -> tuple[tuple[str, str], ...]:
     """(kind, prompt) of every written request of a stock, in the file's order."""
@@ -50,8 +55,8 @@ def written_prompts(n: int, seed: int, stock: int = 1) -> list[str]:
         return []
     requests = written_stock(stock)
     if not 0 < n <= len(requests):
-        source = "written" if stock == 1 else f"written_{stock}"
-        raise ValueError(f"{source}={n}: stock {stock} holds {len(requests)} written requests")
+        raise ValueError(f"{source_name(stock)}={n}: stock {stock} holds {len(requests)} "
+                         "written requests")
     rng = random.Random(seed)
     by_kind: dict[str, list[str]] = {}
     for kind, prompt in requests:
