@@ -409,13 +409,14 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
     from vllm_redrafter.train import prompts as builtin
     from vllm_redrafter.train.detailed_prompts import detailed_prompts
     from vllm_redrafter.train.specific_prompts import specific_prompts
-    from vllm_redrafter.train.written_prompts import written_prompts, written_stock
+    from vllm_redrafter.train.written_prompts import (STOCK_FILES, source_name, written_prompts,
+                                                      written_stock)
 
     sources = {"templated": builtin.templated_prompts, "text": builtin.text_prompts,
                "documents": builtin.document_prompts, "constrained": builtin.constrained_prompts,
                "detailed": detailed_prompts, "specific": specific_prompts,
                "written": written_prompts,
-               **{f"written_{n}": partial(written_prompts, stock=n) for n in (2, 3, 4)}}
+               **{source_name(n): partial(written_prompts, stock=n) for n in STOCK_FILES if n > 1}}
     made = {name: make(40, 0) for name, make in sources.items()}
     assert made == {name: make(40, 0) for name, make in sources.items()}  # the seed decides
     assert made["documents"] != builtin.document_prompts(40, 1)
@@ -430,7 +431,7 @@ def test_builtin_prompts_are_reproducible_varied_and_never_the_evaluation_set(mt
     windows = {" ".join(words(q)[i:i + 6]) for q in mt_bench_questions
                for i in range(max(1, len(words(q)) - 5))}
     windows.discard("take on the role of a")  # a phrase, not a question: the roles differ
-    made["all written"] = [prompt for stock in (1, 2, 3, 4) for _, prompt in written_stock(stock)]
+    made["all written"] = [prompt for stock in STOCK_FILES for _, prompt in written_stock(stock)]
     texts = {" ".join(words(p)) for prompts in made.values() for p in prompts}
     leaked = [w for text in texts for w in windows if w in text]
     assert not leaked, f"built-in prompts repeat MT-Bench questions: {leaked[:3]}"
@@ -454,8 +455,8 @@ def test_written_prompts_take_the_kinds_in_turn_and_refuse_more_than_the_stock()
             assert len({kinds[p] for p in every[8 * r: 8 * r + 8]}) == 8
         with pytest.raises(ValueError, match=f"stock {stock} holds {len(requests)} "):
             written_prompts(len(requests) + 1, seed=0, stock=stock)
-    with pytest.raises(ValueError, match="no written stock 5"):
-        written_prompts(1, seed=0, stock=5)
+    with pytest.raises(ValueError, match=f"no written stock {max(STOCK_FILES) + 1}"):
+        written_prompts(1, seed=0, stock=max(STOCK_FILES) + 1)
     with pytest.raises(ValueError, match="written_2=-1"):
         written_prompts(-1, seed=0, stock=2)
 
@@ -467,6 +468,7 @@ WRITTEN_STOCK_SHA256 = {
     "written_prompts_2.jsonl": "d26b570f08472806ca967ef2f281fe3789fa66f98687e8d718da1532da7dbdfb",
     "written_prompts_3.jsonl": "bf9dfe14949e1eab032fdd98077c36612d86287dc3e560d3590952e9dd607c72",
     "written_prompts_4.jsonl": "2e521425d91ba206048e5ef109389915b0034b128cc1ec9f1cfb87fa7f012ae8",
+    "written_prompts_5.jsonl": "05fd6118153b923d6c50de82014bc97d818c04be1d20cc422c803a8fdb120fc0",
 }
 
 

@@ -66,6 +66,7 @@ class BuiltinSpec:
     written_2: int = 0  # a second stock of them (written_prompts_2.jsonl)
     written_3: int = 0  # a third (written_prompts_3.jsonl)
     written_4: int = 0  # a fourth (written_prompts_4.jsonl)
+    written_5: int = 0  # a fifth (written_prompts_5.jsonl)
 
 
 @dataclass(frozen=True)

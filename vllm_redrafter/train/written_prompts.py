@@ -31,7 +31,8 @@ from pathlib import Path
 STOCK_FILES = {1: Path(__file__).with_name("written_prompts.jsonl"),
                2: Path(__file__).with_name("written_prompts_2.jsonl"),
                3: Path(__file__).with_name("written_prompts_3.jsonl"),
-               4: Path(__file__).with_name("written_prompts_4.jsonl")}
+               4: Path(__file__).with_name("written_prompts_4.jsonl"),
+               5: Path(__file__).with_name("written_prompts_5.jsonl")}
 
 
 def source_name(stock: int) -> str:
