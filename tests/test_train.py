@@ -481,6 +481,39 @@ def test_written_stocks_are_as_they_were_trained_on():
         assert digest == WRITTEN_STOCK_SHA256[file.name], f"{file.name} changed: add a new stock"
 
 
+# Two requests of stock 3 (a reasoning and a math helper's) ask the same chessboard question;
+# the stock trained the shipped drafter, so the pair stays and no other may join it.
+KNOWN_NEAR_DUPLICATES = {("How many squares are on a standard chessboard, counting ever",
+                          "How many squares are on a standard chessboard if you count e")}
+
+
+def test_no_two_written_requests_are_near_duplicates():
+    """No two requests in all the stocks share more than 60% of their word sets (Jaccard), the
+    rule each new stock was assembled by. A prefix-filtered similarity join: two sets above the
+    threshold share a word among each one's rarest ``len - ceil(0.6 len) + 1``."""
+    import math
+    import re
+
+    from vllm_redrafter.train.written_prompts import STOCK_FILES, written_stock
+
+    prompts = [p for stock in STOCK_FILES for _, p in written_stock(stock)]
+    sets = [frozenset(re.findall(r"[a-z0-9']+", p.lower())) for p in prompts]
+    freq = Counter(w for s in sets for w in s)
+    index: dict[str, list[int]] = {}
+    near = set()
+    for i, words in enumerate(sets):
+        if len(words) < 6:  # short requests may share most of their few words
+            continue
+        keep = len(words) - math.ceil(0.6 * len(words)) + 1
+        rarest = sorted(words, key=lambda w: (freq[w], w))[:keep]
+        for j in {j for w in rarest for j in index.get(w, ())}:
+            if len(words & sets[j]) / len(words | sets[j]) > 0.6:
+                near.add((prompts[j][:60], prompts[i][:60]))
+        for w in rarest:
+            index.setdefault(w, []).append(i)
+    assert near == KNOWN_NEAR_DUPLICATES
+
+
 def test_recorded_datasets_keep_their_fingerprints_as_sources_are_added(target_dir):
     """A built-in source at 0 is left out of a dataset's fingerprint, so the shipped drafter's
     datasets, recorded before later sources (written_2, written_3, ...) existed, stay current."""
