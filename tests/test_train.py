@@ -469,6 +469,7 @@ WRITTEN_STOCK_SHA256 = {
     "written_prompts_3.jsonl": "bf9dfe14949e1eab032fdd98077c36612d86287dc3e560d3590952e9dd607c72",
     "written_prompts_4.jsonl": "2e521425d91ba206048e5ef109389915b0034b128cc1ec9f1cfb87fa7f012ae8",
     "written_prompts_5.jsonl": "05fd6118153b923d6c50de82014bc97d818c04be1d20cc422c803a8fdb120fc0",
+    "written_prompts_6.jsonl": "916166d1c54d8535c64ccc49571f17153f0bad2cf54382d084ea9a687db2c4f9",
 }
 
 

@@ -67,6 +67,7 @@ class BuiltinSpec:
     written_3: int = 0  # a third (written_prompts_3.jsonl)
     written_4: int = 0  # a fourth (written_prompts_4.jsonl)
     written_5: int = 0  # a fifth (written_prompts_5.jsonl)
+    written_6: int = 0  # a sixth (written_prompts_6.jsonl)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ MT-Bench check, and a request dropped when its word set overlaps an earlier one'
 60%: 7 of 4,800), are ``written_3`` and ``written_4``; with all four in the shipped recipe's stage
 MT-Bench rose to 1.998. A fifth, 2,557 (2,560 written the same way: 400 of each of the four kinds
 the 1.998 drafter did worst on, extraction, stem, humanities and writing, 240 of the others), is
-``written_5``. A dataset's fingerprint names how many requests it takes, not their text:
+``written_5``; a sixth, 2,538 of 2,560 written the same way, ``written_6``. A dataset's fingerprint names how many requests it takes, not their text:
 a stock stays as it is (a test pins each file's hash), and new requests go in a new stock.
 """
 
@@ -34,7 +34,8 @@ STOCK_FILES = {1: Path(__file__).with_name("written_prompts.jsonl"),
                2: Path(__file__).with_name("written_prompts_2.jsonl"),
                3: Path(__file__).with_name("written_prompts_3.jsonl"),
                4: Path(__file__).with_name("written_prompts_4.jsonl"),
-               5: Path(__file__).with_name("written_prompts_5.jsonl")}
+               5: Path(__file__).with_name("written_prompts_5.jsonl"),
+               6: Path(__file__).with_name("written_prompts_6.jsonl")}
 
 
 def source_name(stock: int) -> str:
