@@ -18,9 +18,10 @@ MT-Bench check, and a request dropped when its word set overlaps an earlier one'
 60%: 7 of 4,800), are ``written_3`` and ``written_4``; with all four in the shipped recipe's stage
 MT-Bench rose to 1.998. A fifth, 2,557 (2,560 written the same way: 400 of each of the four kinds
 the 1.998 drafter did worst on, extraction, stem, humanities and writing, 240 of the others), is
-``written_5``; a sixth, 2,538 of 2,560 written the same way, ``written_6``. A dataset's
-fingerprint names how many requests it takes, not their text: a stock stays as it is (a test pins
-each file's hash), and new requests go in a new stock.
+``written_5`` (with it in the stage too, MT-Bench 2.012); a sixth, 2,538 of 2,560 written the same
+way, ``written_6``, is not in a recipe yet. A dataset's fingerprint names how many requests it
+takes, not their text: a stock stays as it is (a test pins each file's hash), and new requests go
+in a new stock.
 """
 
 from __future__ import annotations
