@@ -32,12 +32,8 @@ from functools import cache
 from itertools import chain, zip_longest
 from pathlib import Path
 
-STOCK_FILES = {1: Path(__file__).with_name("written_prompts.jsonl"),
-               2: Path(__file__).with_name("written_prompts_2.jsonl"),
-               3: Path(__file__).with_name("written_prompts_3.jsonl"),
-               4: Path(__file__).with_name("written_prompts_4.jsonl"),
-               5: Path(__file__).with_name("written_prompts_5.jsonl"),
-               6: Path(__file__).with_name("written_prompts_6.jsonl")}
+STOCK_FILES = {n: Path(__file__).with_name("written_prompts.jsonl" if n == 1
+                                            else f"written_prompts_{n}.jsonl") for n in range(1, 7)}
 
 
 def source_name(stock: int) -> str:
