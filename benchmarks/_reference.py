@@ -6,22 +6,21 @@ prompts and returns tokens per target forward (accepted + bonus), per-position a
 drafting time per step (beam search only) and the share of the target's response tokens inside
 the drafter's draft vocabulary.
 
-The evaluation prompts are the MT-Bench first turns (../shared/data): evaluation only, never
-training data, never used to choose K or any setting.
+The evaluation prompts are the MT-Bench first turns shipped in the package (``eval_sets``):
+evaluation only, never training data, never used to choose K or any setting.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from vllm_redrafter.drafter import RecurrentDrafter
+from vllm_redrafter.eval_sets import MT_BENCH, read_questions
 from vllm_redrafter.reference_loop import DrafterProposer, chat_prompt_ids, speculative_generate
 
-MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
 
 
 def mt_bench_prompts(limit: int | None = None, path: Path = MT_BENCH) -> list[str]:
@@ -34,8 +33,7 @@ def mt_bench_questions(limit: int | None = None, path: Path = MT_BENCH) -> list[
     The file is ordered by category, ten questions each: writing, roleplay, reasoning, math,
     coding, extraction, stem, humanities. The first 20 are writing and role play only.
     """
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [(row["category"], row["turns"][0]) for row in rows][:limit]
+    return [(q.category, q.first_turn) for q in read_questions(path, limit)]
 
 
 class TimedProposer(DrafterProposer):

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vllm_redrafter.eval_sets import MT_BENCH, first_turns  # noqa: E402
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.demo import (
     DEFAULT_DRAFTER,
     engine_kwargs,
-    find_mt_bench,
-    first_turns,
     int_list,
     machine,
 )
@@ -93,7 +93,7 @@ def main() -> None:
         raise SystemExit(f"no drafter at {args.drafter} (pass --drafter DIR)")
     target = str(prepare_target())
     tokenizer = AutoTokenizer.from_pretrained(target)
-    questions = first_turns(args.prompts or find_mt_bench(), max(args.batch_sizes))
+    questions = first_turns(args.prompts or MT_BENCH, max(args.batch_sizes))
     questions = (questions * max(args.batch_sizes))[: max(args.batch_sizes)]
     prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
     L_max = max(args.beam_lengths)
@@ -135,9 +135,9 @@ def main() -> None:
         print(f"{batch:>6}  {shape}  (fastest cell {top['speedup']:.2f}x, "
               f"W={top['width']} L={top['length']})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "drafter": str(args.drafter), "cells": cells,
+    args.out.write_text(json.dumps(portable({"machine": machine(), "drafter": str(args.drafter), "cells": cells,
                                     "best_width_per_batch": best,
-                                    "best_length_per_batch": best_length}, indent=1))
+                                    "best_length_per_batch": best_length}), indent=1))
     heatmap(cells, args.widths, args.batch_sizes, args.out.with_suffix(".png"))
     print(f"\nJSON and heatmap: {args.out.with_suffix('')}.*")
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from vllm_redrafter.eval_sets import MT_BENCH, first_turns  # noqa: E402
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.beam_search import beam_search
 from vllm_redrafter.demo import DEFAULT_DRAFTER
 from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
@@ -24,7 +26,6 @@ from vllm_redrafter.reference_loop import chat_prompt_ids, greedy_generate
 from vllm_redrafter.target import prepare_target
 from vllm_redrafter.tree import build_tree
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
 
 
 def load_drafter(path: Path | None, model) -> tuple[RecurrentDrafter, str]:
@@ -56,7 +57,7 @@ def hidden_states_along_answers(model, tokenizer, questions, max_new_tokens):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
-    parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    parser.add_argument("--prompts", type=Path, default=MT_BENCH)
     parser.add_argument("--num-prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--beam-length", type=int, default=5)
@@ -68,8 +69,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     drafter, drafter_name = load_drafter(args.drafter, model)
-    rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    questions = [row["turns"][0] for row in rows[: args.num_prompts]]
+    questions = first_turns(args.prompts, args.num_prompts)
     h, g0 = hidden_states_along_answers(model, tokenizer, questions, args.max_new_tokens)
 
     results = []
@@ -86,8 +86,8 @@ def main() -> None:
         results.append({"beam_width": width, "beam_length": args.beam_length,
                         "mean_packed": packed, "mean_compression_ratio": ratio})
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"drafter": drafter_name, "positions": len(g0),
-                                    "results": results}, indent=2))
+    args.out.write_text(json.dumps(portable({"drafter": drafter_name, "positions": len(g0),
+                                    "results": results}), indent=2))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _reference import load_target, mt_bench_prompts, run_reference  # noqa: E402
 
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.demo import machine  # noqa: E402
 from vllm_redrafter.target import prepare_target  # noqa: E402
 from vllm_redrafter.train.pipeline import run_training  # noqa: E402
@@ -82,7 +83,7 @@ def main() -> None:
         print(json.dumps(row))
         result = {"command": " ".join(sys.argv), "machine": machine(), "recipe": recipe.name,
                   "max_steps": train.max_steps, "max_new_tokens": args.max_new_tokens, "rows": rows}
-        (args.out / "distill_vs_ground_truth.json").write_text(json.dumps(result, indent=1))
+        (args.out / "distill_vs_ground_truth.json").write_text(json.dumps(portable(result), indent=1))
     print(f"\n{'labels':>13} {'positions':>9} {'top1@1':>7} {'tok/step':>9} {'in K':>6}")
     for r in rows:
         print(f"{r['labels']:>13} {r['positions']:9d} {r['heldout_top1'][0]:7.3f} "

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _reference import load_target, mt_bench_prompts, run_reference  # noqa: E402
 
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.target import prepare_target  # noqa: E402
 from vllm_redrafter.train.pipeline import run_training  # noqa: E402
 from vllm_redrafter.train.recipes import get_recipe  # noqa: E402
@@ -78,7 +79,7 @@ def main() -> None:
                "train_seconds": record["train_seconds_this_session"], **stats}
         rows.append(row)
         print(json.dumps(row))
-        (args.out / "draft_vocab.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "draft_vocab.json").write_text(json.dumps(portable(rows), indent=1))
     print(f"\n{'K':>7} {'top1@1':>7} {'tok/step':>9} {'draft ms':>9} {'in K':>6}   "
           f"(W={args.beam_width}, L={args.beam_length}, {len(prompts)} MT-Bench prompts)")
     for r in rows:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _reference import load_target, mt_bench_questions, run_reference  # noqa: E402
 
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.demo import DEFAULT_DRAFTER, int_list, machine  # noqa: E402
 from vllm_redrafter.target import prepare_target  # noqa: E402
 
@@ -79,7 +80,7 @@ def main() -> None:
               "draft_vocab_size": cells[0]["draft_vocab_size"],
               "training": training_record(args.drafter), "grid": cells}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(portable(result), indent=1))
 
     print(f"\ntokens per target forward (reference loop, {len(prompts)} MT-Bench prompts, "
           f"{args.max_new_tokens} tokens, greedy)")

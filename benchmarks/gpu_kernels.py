@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_redrafter.results import portable
+
 REPO = Path(__file__).resolve().parents[1]
 LENGTH = 5
 CONTEXT = 512  # cached tokens per request in the step section
@@ -683,10 +685,10 @@ def main(argv: list[str] | None = None) -> int:
             failed[section] = traceback.format_exc()
             print(f"section {section} FAILED:\n{failed[section]}", flush=True)
             empty_cache()
-        out.write_text(json.dumps({
+        out.write_text(json.dumps(portable({
             "gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "rates": rates,
             "seconds": time.time() - started, "failed": failed, "rows": rows,
-        }, indent=1))
+        }), indent=1))
     if any(r["kernel"] == "redrafter_step" for r in rows):
         plot_steps(rows, out.with_suffix(".png"))
     print(f"\nwrote {out} ({time.time() - started:.0f} s)")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.demo import int_list
 from vllm_redrafter.drafter import RecurrentDrafter
 from vllm_redrafter.target import prepare_target
@@ -53,7 +54,7 @@ def main() -> None:
                           + f"  ({row['positions']} positions)", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1))
+        args.out.write_text(json.dumps(portable(rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from vllm_redrafter.eval_sets import MT_BENCH, first_turns  # noqa: E402
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.demo import (
     DEFAULT_DRAFTER,
     engine_kwargs,
-    find_mt_bench,
-    first_turns,
     machine,
     metric_totals,
 )
@@ -327,11 +327,11 @@ class Sweep:
                for label, by_name in self.runs.items()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU_")}
-        args.out.write_text(json.dumps({
+        args.out.write_text(json.dumps(portable({
             "machine": machine(), "vllm_cpu_env": vllm_env, "specs": self.specs,
             "loads": self.levels, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "fixed_repeats": args.fixed_repeats, "warmup_prompts": args.warmup_prompts,
-            "rows": rows, "raw": raw}, indent=1, default=str))
+            "rows": rows, "raw": raw}), indent=1, default=str))
         plot(rows, args.out.with_suffix(".png"))
 
 
@@ -372,7 +372,7 @@ def main() -> None:
                    "beam_policy": "auto" if arm == "policy" else "fixed"} for arm in ARMS}
     if args.step_cost is not None:
         specs["policy"]["step_cost"] = str(args.step_cost.resolve())
-    questions = first_turns(args.prompts or find_mt_bench(), NUM_QUESTIONS)
+    questions = first_turns(args.prompts or MT_BENCH, NUM_QUESTIONS)
     with tempfile.TemporaryDirectory() as tmp:
         sweep = Sweep(args, target, specs, loads(args), Path(tmp))
         sweep.dataset.write_text(json.dumps([  # ShareGPT's format (read without pandas)

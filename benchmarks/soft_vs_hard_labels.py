@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _reference import load_target, mt_bench_prompts, run_reference  # noqa: E402
 
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.demo import machine  # noqa: E402
 from vllm_redrafter.target import prepare_target  # noqa: E402
 from vllm_redrafter.train.pipeline import run_training  # noqa: E402
@@ -70,7 +71,7 @@ def main() -> None:
         result = {"command": " ".join(sys.argv), "machine": machine(), "recipe": recipe.name,
                   "train_steps": record.get("steps_done"), "prompts": len(prompts),
                   "max_new_tokens": args.max_new_tokens, "rows": rows}
-        (args.out / "soft_vs_hard_labels.json").write_text(json.dumps(result, indent=1))
+        (args.out / "soft_vs_hard_labels.json").write_text(json.dumps(portable(result), indent=1))
     print(f"\n{'weight':>6} {'positions':>9} {'top1@1':>7} {'top1@3':>7} {'tok/step':>9}")
     for r in rows:
         print(f"{r['soft_label_weight']:6g} {r['positions']:9d} {r['heldout_top1'][0]:7.3f} "

@@ -9,8 +9,8 @@ Part 2 (a child process with the engine in-process): the per-step time split of 
 the tree walk and KV moves) beside a plain step of vLLM alone (its seconds per token at batch 1),
 and the compression ratio W*L / packed tokens of the trees actually verified.
 
-Prints tables and writes JSON (``--out``). Prompts: ../shared/data/mt_bench_questions.jsonl
-(first turns, chat template) or any file in that format (``--prompts``).
+Prints tables and writes JSON (``--out``). Prompts: the MT-Bench set shipped
+in the package (first turns, chat template) or any file in that format (``--prompts``).
 
     python benchmarks/speedup.py --drafter DIR [--num-prompts 20] [--max-tokens 64]
         [--beam-width 1 --beam-length 3] [--beam-policy fixed|auto] [--step-cost CURVE.json]
@@ -33,12 +33,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vllm_redrafter.eval_sets import MT_BENCH, first_turns  # noqa: E402
+from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.demo import (
     DEFAULT_DRAFTER,
     counter_diff,
     engine_kwargs,
-    find_mt_bench,
-    first_turns,
     machine,
     spec_counters,
 )
@@ -169,7 +169,7 @@ def main() -> None:
         raise SystemExit(f"no drafter at {args.drafter} (pass --drafter DIR)")
     target = str(prepare_target())
     tokenizer = AutoTokenizer.from_pretrained(target)
-    questions = first_turns(args.prompts or find_mt_bench(), args.num_prompts)
+    questions = first_turns(args.prompts or MT_BENCH, args.num_prompts)
     prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
     spec = {"method": "redrafter", "model": str(args.drafter.resolve()),
             "beam_width": args.beam_width, "beam_length": args.beam_length,
@@ -180,9 +180,9 @@ def main() -> None:
     split = time_split(target, spec, prompts, args.max_tokens)
     print_tables(results, split, spec)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine(), "drafter": str(args.drafter), "spec": spec,
+    args.out.write_text(json.dumps(portable({"machine": machine(), "drafter": str(args.drafter), "spec": spec,
                                     "num_prompts": len(prompts), "max_tokens": args.max_tokens,
-                                    "modes": results, "time_split": split}, indent=1))
+                                    "modes": results, "time_split": split}), indent=1))
     print(f"\nJSON: {args.out}")
 
 

@@ -16,6 +16,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from vllm_redrafter.results import portable
+
 
 def steps(lines: list[dict]) -> list[dict]:
     """One row per step: batch, shape, seconds, tokens emitted, whether a request joined or was
@@ -91,7 +93,7 @@ def main() -> None:
     shown = dict(s, cells=[c for c in s["cells"] if c["steps"] >= args.min_steps])
     print_summary(shown)
     if args.json:
-        args.json.write_text(json.dumps(s, indent=1))
+        args.json.write_text(json.dumps(portable(s), indent=1))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,6 @@ import torch
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-MT_BENCH = SHARED_DATA / "mt_bench_questions.jsonl"
 
 
 @pytest.fixture(scope="session")
@@ -27,11 +24,12 @@ def target_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def mt_bench_questions() -> list[str]:
-    """First turns of the 80 MT-Bench questions. A missing file fails the test: never skipped."""
-    assert MT_BENCH.is_file(), f"the evaluation set is missing: {MT_BENCH} (../shared/data beside the repo)"
-    rows = [json.loads(line) for line in MT_BENCH.read_text().splitlines() if line.strip()]
-    assert len(rows) == 80, f"{MT_BENCH} holds {len(rows)} questions, expected 80"
-    return [row["turns"][0] for row in rows]
+    """First turns of the 80 MT-Bench questions shipped in the package (never skipped)."""
+    from vllm_redrafter.eval_sets import MT_BENCH, first_turns
+
+    questions = first_turns(MT_BENCH)
+    assert len(questions) == 80, f"{MT_BENCH} holds {len(questions)} questions, expected 80"
+    return questions
 
 
 def save_random_drafter(path: Path) -> Path:

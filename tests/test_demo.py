@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from conftest import save_random_drafter
-from vllm_redrafter.demo import DEFAULT_DRAFTER, first_turns, metric_totals
+from vllm_redrafter.demo import DEFAULT_DRAFTER, metric_totals
+from vllm_redrafter.eval_sets import first_turns
 
 
 def test_prompt_file_errors_name_the_line(tmp_path):
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"turns": ["fine"]}\n{"question": "no turns"}\n')
-    with pytest.raises(ValueError, match=r"q.jsonl:2: not an MT-Bench question"):
+    with pytest.raises(ValueError, match=r"q.jsonl:2: not a question"):
         first_turns(bad, 10)
     empty = tmp_path / "e.jsonl"
     empty.write_text("\n")
@@ -60,6 +62,9 @@ def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions
     assert out["prompts"] == 3 and out["identical_outputs"] == 3
     assert out["tokens_per_step"] is not None and out["tokens_per_step"] >= 1.0
     assert "speedup" in run.stdout and "identical greedy outputs: 3/3" in run.stdout
+    # a quiet run: vLLM's log at WARNING, so none of its INFO lines (config dumps) reach the user
+    info = [line for line in (run.stdout + run.stderr).splitlines() if re.match(r"(\x1b\[\d+m)?INFO ", line)]
+    assert not info, info[:5]
     if shipped:  # the shipped drafter is accepted: more than one token per target step
         assert out["tokens_per_step"] > 1.3, out
 

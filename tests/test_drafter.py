@@ -1,4 +1,4 @@
-"""The drafter loads Apple-layout checkpoints exactly, computes DESIGN.md 1, refuses bad input.
+"""The drafter loads Apple-layout checkpoints exactly, computes docs/design.md's equations (The drafter), refuses bad input.
 
 Checkpoints are written BY HAND here from the documented key names (a dict of tensors and a JSON
 config), never through save_pretrained, and the golden logits come from a plain-tensor
@@ -105,7 +105,7 @@ VARIANTS = [
 ]
 
 
-# -- the independent reference (DESIGN.md section 1 on the raw tensors) -------------------------
+# -- the independent reference (docs/design.md, The drafter, on the raw tensors) ----------------
 
 
 def reference_logits(

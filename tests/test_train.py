@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from vllm_redrafter.drafter import DrafterConfig, DrafterMismatchError, RecurrentDrafter
 from vllm_redrafter.train.data import (DatasetError, Example, read_dataset, render_chat,
                                        tokenize_example)
-from vllm_redrafter.train.distill import DataSpec, build_data
+from vllm_redrafter.train.distill import BUILTIN, DataSpec, build_data
 from vllm_redrafter.train.generate import GenRequest
 from vllm_redrafter.train.pipeline import OutputDirError, run_training
 from vllm_redrafter.train.recipes import get_recipe, with_overrides
@@ -527,6 +527,42 @@ def test_recorded_datasets_keep_their_fingerprints_as_sources_are_added(target_d
         spec = {**part["spec"], "builtin": BuiltinSpec(**part["spec"]["builtin"]),
                 "gen": GenSettings(**part["spec"]["gen"])}
         assert data_fingerprint(DataSpec(**spec), target_dir) == part["fingerprint"]
+
+
+def test_fingerprints_do_not_depend_on_the_transformers_version(target_dir, tmp_path):
+    """The target saved by another transformers version (v4's names: torch_dtype, a top-level
+    rope_theta, another transformers_version) has the same data fingerprint and identity; another
+    architecture or other tensors do not."""
+    from vllm_redrafter.train.distill import data_fingerprint
+    from vllm_redrafter.train.pipeline import target_identity
+
+    def saved_as(name: str, edit) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in target_dir.iterdir():
+            if file.name != "config.json":
+                (folder / file.name).symlink_to(file)
+        config = json.loads((target_dir / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config, indent=4))
+        return folder
+
+    def as_v4(config: dict) -> None:
+        config["torch_dtype"] = config.pop("dtype", None) or config.pop("torch_dtype")
+        rope = config.pop("rope_parameters", None) or {"rope_theta": config.pop("rope_theta")}
+        config["rope_theta"] = rope["rope_theta"]
+        config["transformers_version"] = "4.57.1"
+
+    spec = DataSpec(dataset=BUILTIN)
+    v4 = saved_as("v4", as_v4)
+    assert data_fingerprint(spec, v4) == data_fingerprint(spec, target_dir)
+    assert target_identity(v4)["config_sha256"] == target_identity(target_dir)["config_sha256"]
+    wider = saved_as("wider", lambda c: c.update(intermediate_size=2048))
+    assert data_fingerprint(spec, wider) != data_fingerprint(spec, target_dir)
+    other_tensors = saved_as("other_tensors", lambda c: None)
+    (other_tensors / "model.safetensors").unlink()
+    save_file({"w": torch.zeros(2)}, other_tensors / "model.safetensors")
+    assert data_fingerprint(spec, other_tensors) != data_fingerprint(spec, target_dir)
 
 
 def test_shipped_drafter_fits_its_budget_and_is_the_shipped_recipes(target_dir):

@@ -2,44 +2,28 @@
 
 A verify step over a batch of B requests costs one target forward over all their packed tree
 tokens (``BatchStepCost``: by total tokens and batch size, measured once per machine and model by
-``benchmarks/step_cost.py``) plus the drafter's beam search (measured as it runs). It emits, per
-request, 1 + the accepted draft tokens, whose expectation for a beam shape (W, L) is
-``1 + sum_{d=1}^{L-1} P(accepted >= d | W)`` (``AcceptanceStats``, counted from the verified
-steps, apart for greedy and sampled requests: sampling accepts less, and a server mixes both). So
-the policy picks
+``benchmarks/step_cost.py``) plus the drafter's beam search (``DraftCost``, measured as it runs).
+It emits, per request, 1 + the accepted draft tokens, whose expectation for a beam shape (W, L)
+is ``1 + sum_{d=1}^{L-1} P(accepted >= d | W)`` (``AcceptanceStats``, counted from the verified
+steps, apart for greedy and sampled requests). So the policy picks
 
     argmax over (W, L) of  B * tokens(W, L) / (target(B * packed(W, L), B) + draft(B, W, L))
 
-against the plain step, ``B / target(B, B)``: when no shape beats it by a margin (5%: the model is
-measured, with noise), the step goes without drafts. Unseen shapes are estimated optimistically (an
-upper confidence bound), so each is tried and then judged by what it measured.
+against the plain step, ``B / target(B, B)``; when no shape beats it by ``min_gain`` (default
+1.05), the step goes without drafts. Unseen shapes are estimated optimistically (an upper
+confidence bound), so each is tried and then judged by what it measured.
 
-The curve and the drafter's cost are a model; what the user pays is the whole engine step
-(scheduling, the forward, the tree attention, sampling, the draft). So the policy also times whole
-steps (``StepTimes``: the wall time from one ``propose`` call to the next is one step of the shape
-chosen at the first) and scales the model's seconds, per batch size and shape, by what was
-measured; now and then it runs a plain step to keep that figure current. A shape that the model
-favours but the machine does not is then dropped once measured.
+``StepTimes`` scales the model's seconds, per batch bucket and shape, by the measured wall time
+of whole engine steps (from one ``propose`` call to the next); a plain step runs now and then to
+keep that figure current, and an untimed shape the model rates close to a plain step is probed.
 
-Drafting also costs what no single step shows: its requests accept different numbers of tokens,
-so a batch that would run in lockstep (requests of one length started together: a closed-loop
-load, an offline batch) drifts apart, and each new request's prefill then runs inside the
-others' decode steps, in their time per output token (TPOT), where without drafts all the
-prefills run in one step, before the new requests' first token. Per request that is the other
-B - 1 requests' prefills, J seconds each, over its N output tokens: a share
-``c = (B - 1) J / (N t)`` of a plain step's t seconds per token (:class:`JoinCost`, J and N
-measured from the steps). So while the batch is in lockstep (most of its requests' tokens left
-lie within a few of each other: :meth:`BeamPolicy.lockstep`) drafting must beat the plain step
-by ``min_gain / (1 - c)``; once it is not (answers of different lengths, random arrivals, an
-earlier draft) that cost is paid or moot, and the margin is ``min_gain`` again. With long
-answers c vanishes; with 64-token answers at batch 8 on a 2-core CPU it is about 0.14, more than
-drafting gains there. A cohort also arrives and leaves split: its first requests run a step or
-two before the rest join, its last ones a step after the rest left. Such a fragment of a batch
-seen in lockstep two steps before never drafts, nor is it probed: a few tokens gained there set
-its requests apart from the cohort for good. All this is off by default (``lockstep_slack=None``;
-``lockstep_slack=4`` turns it on): in the serving sweeps on a 2-core CPU neither the margin alone
-nor with the fragment rule kept batch 8 as fast as vLLM alone (README, Figures).
-Nothing here imports vLLM.
+``JoinCost`` and :meth:`BeamPolicy.lockstep` (off by default; ``lockstep_slack=4`` turns them
+on): while most requests' tokens left lie within ``lockstep_slack``, drafting must beat the
+plain step by ``min_gain / (1 - c)``, ``c = (B - 1) J / (N t)`` the share of a plain step's t
+seconds per token that the others' prefills (J seconds each, N output tokens per request) take
+once drafting breaks the lockstep; fragments of a batch recently in lockstep never draft.
+
+Nothing here imports vLLM. How it works in full, measurements and history: docs/beam_policy.md.
 """
 
 from __future__ import annotations
@@ -115,9 +99,8 @@ class BatchStepCost:
     """Seconds of one target forward over ``n`` query tokens split among ``requests`` requests.
 
     One :class:`StepCost` curve (by total tokens) per measured batch size, linear between batch
-    sizes. The split matters: on the AVX2 CPU one request's 4-token forward costs 1.21x its
-    1-token one, while two requests' 2 tokens each cost 1.44x one request's single token, so a
-    curve by total tokens alone tells batch 1 that chains do not pay.
+    sizes. The split matters: one request's 4 tokens cost less than two requests' 2 each, so a
+    curve by total tokens alone misprices chains at batch 1 (docs/beam_policy.md).
 
     >>> cost = BatchStepCost(((1, StepCost((1, 8), (0.010, 0.012))),
     ...                       (4, StepCost((4, 32), (0.020, 0.040)))))
@@ -184,7 +167,7 @@ class AcceptanceStats:
     """
 
     decay: float = 0.999  # per observation: recent steps weigh more (the text changes)
-    explore: float = 0.05  # weight of the upper confidence bound (simulated: 0.5 cost 10-20%)
+    explore: float = 0.05  # weight of the upper confidence bound (docs/beam_policy.md)
     min_trials: float = 8.0  # observations a (W, depth) count fades to, at the least
     hits: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> accepted >= d
     trials: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> observations
@@ -483,14 +466,14 @@ class BeamPolicy:
         self._since_probe: dict[int, int] = {}  # bucket -> plain steps since its last probe
         # bucket -> a probe's shape and its batch, to repeat on the same requests
         self._probing: dict[int, tuple[int, int, frozenset]] = {}
-        # Drafting must promise this much more than a plain step: the model is measured, but
-        # with noise (on a shared 2-core CPU whole steps swing 10-20%), and a shape that merely
-        # ties costs more than it gains when it errs; where trees pay, they pay far more.
+        # Drafting must promise this much more than a plain step: the model is measured, with
+        # noise, and a shape that merely ties costs more than it gains when it errs.
         self.min_gain = min_gain
         self.joins = JoinCost()
         self._emitted: dict[str, int] = {}  # request id -> tokens emitted while in the batch
         # A batch is in lockstep when most of its requests' tokens left lie this close; None:
-        # the lockstep margin is off (the default: not better in the serving sweeps, README).
+        # the lockstep margin is off (the default: not better in the serving sweeps,
+        # docs/beam_policy.md).
         self.lockstep_slack = lockstep_slack
         self._steps = 0
         self._locked: tuple[int, int] | None = None  # (batch size, step) last seen in lockstep
@@ -637,11 +620,10 @@ def step_cost_path(model: str, dtype: str, device: str, threads: int) -> Path:
     """Where ``benchmarks/step_cost.py`` caches the curve of a model on this machine.
 
     The key names the CPU's ISA too: an AVX2 CPU and an AVX-512 one with as many cores have
-    different curves (measured: 8 verified tokens cost 1.44x one on the first, 1.04x on the
-    second). And the model runner's torch threads: on a CPU, vLLM's worker gets the cores its
-    thread binding leaves it (by default one core is reserved for the engine-core process, so a
-    2-core machine serves on one thread; ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` gives it both), and
-    every curve is a different one."""
+    different curves (docs/beam_policy.md). And the model runner's torch threads: on a CPU,
+    vLLM's worker gets the cores its thread binding leaves it (by default one core is reserved
+    for the engine-core process, so a 2-core machine serves on one thread;
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` gives it both), and every curve is a different one."""
     from vllm_redrafter.target import cache_dir
 
     machine = f"{platform.machine()}|{os.cpu_count()}|{cpu_isa()}|{device}"

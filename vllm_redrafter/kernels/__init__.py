@@ -16,23 +16,21 @@ imports), ``torch`` (never Triton) or ``triton`` (always; on CPU tensors this ne
 ``TRITON_INTERPRET=1`` set before triton is first imported, which is how the CPU tests run the
 kernels). Cases the kernels do not cover take the torch path whatever the setting: beam search
 with ``return_log_probs`` (the p/q verifier's q history), and sampling with top-k / top-p / min-p.
+``auto`` runs the beam search in torch on CUDA too (measured faster); ``triton`` selects the
+fused step.
 
-``auto`` runs the beam search in torch on CUDA too: on an H100 (benchmarks/gpu_kernels.py,
-2026-11-26, bf16, L = 5) the fused step was slower than torch at every shape measured, 1.1-1.5x
-at batch 1 and up to 3.6x at B x W = 2048 (Llama-3.1-8B drafter, B = 32, W = 32: 129.9 vs 36.5
-ms), and tuning its block sizes did not close the gap (B x W = 8, Vicuna-7B head: 0.48 ms at
-best vs 0.33). ``triton`` still selects it.
+Measurements and history: docs/kernels.md.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 from torch import Tensor
 
 from vllm_redrafter import beam_search as _beam_search
+from vllm_redrafter import envs
 from vllm_redrafter import sampling as _sampling
 from vllm_redrafter.kernels.tree_attention import (
     TreeGatherPlan,
@@ -50,27 +48,19 @@ __all__ = [
     "use_triton",
 ]
 
-KERNELS_ENV = "VLLM_REDRAFTER_KERNELS"
+KERNELS_ENV = envs.KERNELS
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def _mode() -> str:
-    """``VLLM_REDRAFTER_KERNELS``: auto (unset), torch or triton."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower()
-    if mode not in ("auto", "torch", "triton"):
-        raise ValueError(f"{KERNELS_ENV} must be auto, torch or triton, got {mode!r}")
-    return mode
 
 
 def use_triton(device: torch.device) -> bool:
     """Whether the Triton kernels serve tensors on ``device`` (module docstring)."""
-    mode = _mode()
+    mode = envs.kernels_mode()
     if mode == "torch" or not _HAS_TRITON:
         if mode == "triton":
             raise RuntimeError(f"{KERNELS_ENV}=triton but triton is not installed")
         return False
     if mode == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and not envs.triton_interpreted():
             raise RuntimeError(
                 f"{KERNELS_ENV}=triton on a {device.type} tensor needs TRITON_INTERPRET=1 "
                 "(set before triton is imported)"
@@ -121,7 +111,7 @@ def beam_search(
 ) -> _beam_search.BeamSearchOutput:
     """The drafter's beam search: torch, or the fused step (``fused_beam_step.py``) where
     ``VLLM_REDRAFTER_KERNELS=triton`` asks for it (module docstring: torch measured faster)."""
-    if not return_log_probs and _mode() == "triton" and use_triton(h.device):
+    if not return_log_probs and envs.kernels_mode() == "triton" and use_triton(h.device):
         from vllm_redrafter.kernels.fused_beam_step import beam_search_fused
 
         return beam_search_fused(drafter, h, g0, beam_width, beam_length, apple_warp=apple_warp)

@@ -44,6 +44,8 @@ The kernel (``tree_attention_triton``):
 
 Limits: T_b is not bounded by the word size (any n_words); block_size and D are arbitrary (D is
 padded to a power of two inside the kernel). The torch reference is the definition and runs on CPU.
+
+Measurements (H100) and history: docs/kernels.md.
 """
 
 from __future__ import annotations

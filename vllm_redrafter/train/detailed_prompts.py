@@ -1,12 +1,13 @@
 """Detailed requests: long, specific, several requirements each, the way people ask an assistant.
 
-The shipped drafter reached 2.5-2.7 tokens per step on fresh prompts of the other built-in kinds
-and 1.74 on MT-Bench questions (README): real questions are longer and more specific than
-"Write a short blog post about {topic}", and the target answers them differently. These requests
-are built from a subject with its own details (a trip to a named place, a product with a feature,
-a character in a situation, a data set with numbers), an angle and one or two requirements, in
-the eight kinds of task MT-Bench groups its questions into; the wording is this module's own
-(``tests/test_train.py`` checks that no six-word window of an MT-Bench question appears).
+The built-in dataset's source ``detailed``: ``detailed_prompts(n, seed)`` gives ``n`` distinct
+requests, the eight kinds of task MT-Bench groups its questions into in turn, reproducible from
+``seed``. Each is built from a subject with its own details (a trip to a named place, a product
+with a feature, a character in a situation, a data set with numbers), an angle and one or two
+requirements; the wording is this module's own (``tests/test_train.py`` checks that no six-word
+window of an MT-Bench question appears).
+
+Why such requests, and what they gave: docs/training.md.
 """
 
 from __future__ import annotations

@@ -192,13 +192,40 @@ def data_fingerprint(spec: DataSpec, target_dir: Path) -> str:
     digest.update(json.dumps(spec_dict, sort_keys=True).encode())
     if spec.dataset != BUILTIN:
         digest.update(Path(spec.dataset).read_bytes())
-    for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
-        file = target_dir / name
-        if file.is_file():  # size + mtime of the weights: cheap, changes when the weights do
-            stat = file.stat()
-            digest.update(f"{name}:{stat.st_size}".encode())
-    digest.update((target_dir / "config.json").read_bytes())
+    digest.update(json.dumps(target_signature(target_dir), sort_keys=True).encode())
     return digest.hexdigest()[:16]
+
+
+# The target's architecture, as every transformers version names it (v5 renamed torch_dtype to
+# dtype and moved rope_theta into rope_parameters): what the target is, not how it was saved.
+_SIGNATURE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_key_value_heads", "vocab_size",
+                   "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
+
+
+def target_signature(target_dir: Path) -> dict:
+    """The target's identity, independent of the transformers version that saved it: its
+    architecture from ``config.json`` and the names, shapes and dtypes of its weight tensors."""
+    config = json.loads((target_dir / "config.json").read_text())
+    signature = {key: config.get(key) for key in _SIGNATURE_KEYS}
+    signature["dtype"] = config.get("dtype") or config.get("torch_dtype")
+    signature["rope_theta"] = (config.get("rope_parameters") or {}).get("rope_theta",
+                                                                         config.get("rope_theta"))
+    signature["tensors"] = hashlib.sha256(json.dumps(_tensor_headers(target_dir),
+                                                     sort_keys=True).encode()).hexdigest()[:16]
+    return signature
+
+
+def _tensor_headers(target_dir: Path) -> dict[str, list]:
+    """name -> [dtype, shape] of every tensor in the target's safetensors files (headers only)."""
+    headers = {}
+    for file in sorted(target_dir.glob("*.safetensors")):
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        headers.update({name: [t["dtype"], t["shape"]] for name, t in header.items()
+                        if name != "__metadata__"})
+    return headers
 
 
 # -- positions per label mode ----------------------------------------------------------------------

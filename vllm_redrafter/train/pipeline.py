@@ -30,7 +30,13 @@ from torch import nn
 
 from vllm_redrafter.demo import DEFAULT_DRAFTER
 from vllm_redrafter.drafter import DrafterConfig, DrafterMismatchError, RecurrentDrafter
-from vllm_redrafter.train.distill import DistillData, build_data, concat_data, data_fingerprint
+from vllm_redrafter.train.distill import (
+    DistillData,
+    build_data,
+    concat_data,
+    data_fingerprint,
+    target_signature,
+)
 from vllm_redrafter.train.generate import Generator
 from vllm_redrafter.train.recipes import DrafterSpec, Recipe, get_recipe
 from vllm_redrafter.train.trainer import evaluate, format_eval, train_loop, write_json
@@ -49,7 +55,8 @@ def target_identity(target_dir: Path) -> dict:
     config = json.loads((target_dir / "config.json").read_text())
     return {"path": str(target_dir), "hidden_size": config["hidden_size"],
             "vocab_size": config["vocab_size"],
-            "config_sha256": hashlib.sha256((target_dir / "config.json").read_bytes()).hexdigest()[:16]}
+            "config_sha256": hashlib.sha256(json.dumps(target_signature(target_dir), sort_keys=True)
+                                            .encode()).hexdigest()[:16]}
 
 
 def run_fingerprint(recipe: Recipe, target_dir: Path) -> str:
@@ -275,7 +282,7 @@ def run_training(recipe: Recipe, target_dir: str | Path, output_dir: str | Path,
                     if train.soft_label_weight > 0 else None)
     state = train_loop(drafter, data, train, output_dir / WORK / CHECKPOINT, fingerprint,
                        stop_after_steps, teacher_head)
-    record = {"recipe": recipe.name, "command": sys.argv, "target": identity,
+    record = {"recipe": recipe.name, "command": [Path(sys.argv[0]).name, *sys.argv[1:]], "target": identity,
               "fingerprint": fingerprint, "steps_done": state.step,
               "train_seconds_this_session": round(state.seconds, 1),
               "data_seconds_this_session": round(data_seconds, 1)}

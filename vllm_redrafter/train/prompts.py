@@ -1,7 +1,7 @@
 """Training prompts made on this machine, with no network and no evaluation data.
 
 The built-in dataset (``--dataset builtin``) is what the default drafter is trained on. It never
-reads the MT-Bench questions (``../shared/data``: the evaluation set). Three sources:
+reads the MT-Bench questions (the evaluation set, ``eval_sets.MT_BENCH``). Its sources:
 
 1. Templated instructions: task templates across common assistant uses (writing, role play,
    reasoning, arithmetic, coding, extraction, science, humanities) filled from topic lists and

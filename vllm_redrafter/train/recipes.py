@@ -1,69 +1,23 @@
 """Named training recipes: every setting of a run, so one command reproduces a drafter.
 
+``RECIPES`` maps a name to a :class:`Recipe` (datasets, drafter shape, training settings, saved
+dtype); ``get_recipe`` looks one up and ``with_overrides`` replaces single fields (the CLI flags).
+
 ``shipped``: the drafter shipped with the package for the embedded SmolLM2-135M-Instruct target:
-    ``default``'s drafter (trained first, in OUTPUT/work/base), fine-tuned for one epoch at a low
-    learning rate, soft labels at 0.5, on seven more built-in datasets, all with 128-token answers:
-    (4) 4,000 requests in MT-Bench's eight kinds from a second stock of templates
-    (specific_prompts.py, seed 0; 461,515 positions, 41 min of data on a 2-core AVX-512 EPYC), (5)
-    1,776 prompts of dataset (1)'s kinds drawn again (seed 1; 175,108 positions, 21 min of data),
-    and five stocks of requests written one by one (written_prompts.py): (7) 1,358 (162,228
-    positions, 18 min), (8) 680 (83,988, 10 min), (9) 2,397 (289,438, 30 min), (10) 2,396
-    (285,796, 30 min) and (11) 2,557 (301,841, 39 min) (HISTORY.md's dataset 6 was a second draw
-    of (5)'s kinds, not taken). A fine-tuning stage adds data without building the base's again;
-    (5) keeps the base's kinds in the stage: on (4) alone the base forgot some of them (held-out
-    top-1 on (5) 0.64 -> 0.61) and MT-Bench W=4 L=4 rose to 1.932 only; with (5), 1.949; with (7)
-    too, 1.970; with (7)-(10), 1.998; with (7)-(11), 2.012 (the base 1.921): prompts that are not
-    from templates carry further to new prompts. 70 min of training (1,668 steps over 1.76M
-    positions, 2.52 s each in float32 on the EPYC). Held-out top-1 over the seven datasets 0.54 /
-    0.51 / 0.49 / 0.49 / 0.47 (the written requests are harder to predict than the templates:
-    0.62 / ... over (4), (5), (7) before).
+    ``default``'s drafter (trained first, in OUTPUT/work/base; ``init_from="recipe:default"``),
+    fine-tuned for one epoch at lr 2e-4 on seven more built-in datasets with 128-token answers:
+    specific requests, a second draw of ``default``'s first dataset's kinds (so the base does not
+    forget them), and the five written stocks ``written`` .. ``written_5``.
 ``default``: the from-scratch recipe (what ``train`` runs without ``--recipe``) and the base of
-    ``shipped`` (the drafter shipped before the last four), trained on three built-in local
-    datasets (prompts.py, detailed_prompts.py; no network, never the MT-Bench questions), each
-    built and cached on its own: (1) templated requests, requests
-    over local text, over small documents (extraction, tables, JSON) and with several
-    constraints, and questions the target writes itself per task kind, answered in up to 256
-    tokens (6,827 prompts, 1.16M positions); (2) 3,200 long, specific requests in MT-Bench's
-    eight kinds of task, answered in up to 128 tokens (385k positions); (3) 4,000 more of them
-    (seed 1; 2,896 not among (2)'s), 128-token answers (483k positions). Two ResBlocks, K =
-    5,632, soft labels at weight 0.5. Measured on a 2-core Xeon with AMX: 74 min of data for
-    (1) (self-instruct, answers by vLLM, hidden states), about 25 min for (2), 32 min for (3),
-    56 min of training (2 epochs, 3,838 steps over 1.96M training positions, bf16 autocast; 28
-    min with hard labels); minutes on a GPU. Held-out top-1 per draft position: 0.66 / 0.62 /
-    0.60 / 0.59 / 0.59; MT-Bench (reference loop, 80 questions) W=4 L=4 1.92 tokens per step.
-    Steps to it: 1.66 (4,178 prompts of three kinds, 384-token answers, one epoch), 1.76 (a
-    second epoch), 1.83 (dataset 1 alone, one ResBlock, K = 6,144), 1.84 (fewer of dataset 1's
-    kinds plus the detailed requests, one ResBlock), 1.87 (the same data, two ResBlocks), 1.88
-    (datasets 1-2), 1.90 (datasets 1-3, hard labels), 1.92 (this recipe). Not taken: a fourth
-    dataset of 4,000 requests from specific_prompts.py (hard labels, 1.91).
+    ``shipped``: three built-in local datasets (prompts.py, detailed_prompts.py; no network, never
+    the MT-Bench questions), each built and cached on its own. Two ResBlocks, K = 5,632 (19.7 MB
+    in float16, under the package's 20 MB budget), ``labels="self"``, soft labels at weight 0.5.
 ``medium``: about 360 built-in prompts and 300 steps, roughly 20 minutes on a 2-core CPU: a
     drafter that accepts something, for trying the vLLM integration before the default is built.
 ``quick``: the same pipeline on a tiny dataset, a few minutes on a CPU: what the tests run.
 
-Choices of the default and why:
-- labels ``self``: the target answers its prompts greedily, so every response position carries
-  the target's own continuation (distillation) for one generation per prompt.
-- K = 5632 draft tokens, two ResBlocks, exit_dim = 2H (no input_proj): the drafter's head is its
-  cost; K x 2H = 5632 x 1152 plus two 2H x 2H ResBlocks and the RNN is 9.8M parameters, 19.7 MB
-  in float16, under the package's 20 MB budget (K = 6144 with two ResBlocks would be 20.8 MB).
-  K is measured by benchmarks/draft_vocab.py (medium data, same 300 steps each, W=4 L=4 on
-  MT-Bench): tokens/step 1.465 / 1.476 / 1.481 / 1.471 for K = 4096 / 8192 / 16384 / full,
-  drafting 12.6 / 22.1 / 41.2 / 111 ms per step: acceptance is flat, cost grows with K, so K is
-  small, and the budget is better spent on a second ResBlock: on the same data it raised
-  MT-Bench W=4 L=4 from 1.84 to 1.87 (held-out top-1 by under 1%) for ~15% more drafting time
-  (11.2 vs 9.7 ms per reference-loop step); the demo's batch-1 speedup stayed at 1.30x (tokens
-  per step 1.59 vs 1.56 at W=1 L=3).
-- soft labels, w = 0.5 (train/soft_labels.py): on datasets 1-3, 1.92 tokens per step against
-  1.90 with hard labels alone (held-out top-1 0.66 vs 0.65 at position 1), for twice the
-  training time (the KL over the K draft tokens at every label).
-- head init: random (nn.Linear's default), the ResBlocks zero (identity, Apple's init). The
-  option ``head_init="target"`` starts the head's h-half from the target's (tied) LM head rows of
-  the K draft tokens; measured on 21.5k self-distilled positions (100 steps of 256, K=4096), it
-  starts from a higher loss (the target's head scores the token at t+1, the drafter must score
-  t+2..) and stays behind: held-out loss 17.69 vs 16.84, top-1 per position
-  0.374/0.343/0.341/0.321/0.291 vs 0.381/0.368/0.359/0.347/0.344 for the random init.
-- bf16 autocast on a GPU and on CPUs with AMX (3x faster there), float32 on other CPUs (bf16
-  matmuls can be 30x slower on AVX2 CPUs); the shipped checkpoint is saved in float16.
+Measurements and history (the choices of K, ResBlocks, soft labels, head init, and the steps to
+the shipped drafter): docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Specific requests, a second stock: other wordings, longer subject lists, other documents.
 
-The detailed requests (detailed_prompts.py) stopped paying: a second draw of 4,000 of them (2,896
-new) raised MT-Bench tokens/step by 1%, against 3% for the first 3,200, because their templates
-and slot lists are few (a few thousand distinct requests per kind mix). This stock covers the
-same eight kinds of task with templates of its own (requests with a personal context, puzzles with
-computed numbers, physics and economics with figures, documents such as invoices, job ads and
-meeting notes to extract from) and subject lists several times longer. The target cannot write
-such requests itself: at 135M parameters its sampled answers to "write a request about X" are
-mostly not requests (16 samples read, 2026-11-26), so the wording is ours. No six-word window of
-an MT-Bench question appears in them (``tests/test_train.py``).
+The built-in dataset's source ``specific``: ``specific_prompts(n, seed)`` gives ``n`` distinct
+requests, the same eight kinds of task as detailed_prompts.py in turn, reproducible from
+``seed``. Its templates are its own (requests with a personal context, puzzles with computed
+numbers, physics and economics with figures, documents such as invoices, job ads and meeting
+notes to extract from) and its subject lists several times longer. The wording is ours, not the
+target's. No six-word window of an MT-Bench question appears in them (``tests/test_train.py``).
+
+Why a second stock, and what it gave: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Beam-free training of the drafter on a distillation dataset (the target stays frozen).
 
-Loss (DESIGN.md section 5, the paper's Eq. 2): teacher forcing through the RNN,
+Loss (docs/design.md, Training the drafter; the paper's Eq. 2): teacher forcing through the RNN,
 
     s_1 = f(s_0 = 0, e(g0))                   g0 = the target's token at t (the draft's root)
     s_k = f(s_{k-1}, e(y_{k-1}))              y_1..y_T = the distilled tokens after g0
@@ -16,7 +16,7 @@ same weights as an uninterrupted run.
 
 Defaults: bf16 autocast with fp32 master weights on a GPU and on CPUs with AMX (bf16 tiles: 3x
 faster than float32 there); float32 on other CPUs (bf16 matmuls can be 30x slower on AVX2 CPUs,
-../shared/CPU_COSTS.md).
+docs/costs.md, CPU: the drafter's LM head).
 """
 
 from __future__ import annotations
@@ -325,6 +325,9 @@ def _soft_labels(data: DistillData, config: TrainConfig, teacher_head: Tensor | 
 
 
 def write_json(path: Path, obj: dict) -> None:
+    """``obj`` at ``path`` atomically, its paths made portable (``vllm_redrafter.results``)."""
+    from vllm_redrafter.results import portable
+
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.write_text(json.dumps(portable(obj), indent=1) + "\n")
     os.replace(tmp, path)

@@ -5,7 +5,7 @@ vLLM loads :func:`register` through the ``vllm.general_plugins`` entry point in 
 ``vllm_redrafter.patches``; each does nothing unless a speculative config asks for redrafter, so
 vLLM with the package installed but redrafter not asked for behaves as without it.
 
-The seam (see ../shared/VLLM_SEAM.md):
+The seam (see docs/design.md, One step through vLLM 0.32):
 
 - ``config``: the settings, their validation, the rewrite into vLLM's ``custom_class`` method;
 - ``proposer``: :class:`~vllm_redrafter.vllm_plugin.proposer.ReDrafterProposer`, the drafter's

@@ -1,6 +1,6 @@
 """ReDrafter's settings inside vLLM's ``speculative_config``, validated before any model loads.
 
-A user writes one JSON object (DESIGN.md section 7)::
+A user writes one JSON object (docs/design.md, The speculative config)::
 
     {"method": "redrafter", "model": "DRAFTER_DIR",
      "beam_width": 8, "beam_length": 4, "verification": "exact", "beam_policy": "auto",

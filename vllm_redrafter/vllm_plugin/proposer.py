@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from vllm_redrafter.beam_policy import (
     load_step_cost,
     step_cost_path,
 )
+from vllm_redrafter import envs
 from vllm_redrafter.beam_search import BeamSearchOutput, beam_search
 from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.drafter import RecurrentDrafter
@@ -113,7 +113,7 @@ class ReDrafterProposer:
         self.allow_trees = True  # False: the attention backend cannot mask trees; chains only
         self.policy: BeamPolicy | None = None  # beam_policy "auto" with a measured step cost
         self.shapes: dict[str, tuple[int, int]] = {}  # req_id -> (W, L) of its tree this step
-        self.step_log = os.environ.get("VLLM_REDRAFTER_STEP_LOG") or None  # debug (module doc)
+        self.step_log = envs.step_log_path()  # debug (module doc)
 
     # -- vLLM's proposer interface -------------------------------------------------------------
 
