@@ -50,6 +50,6 @@ def _warn_inexact_modes(raw: dict[str, Any]) -> None:
     mode = raw.get("verification", "exact")
     if mode != "exact":
         logger.warning(
-            "ReDrafter: verification %r takes effect with tree verification; this build "
-            "verifies the best beam with vLLM's rejection sampler (exact)", mode,
+            "ReDrafter: verification %r is not exact: sampled outputs will not follow the "
+            "target's distribution exactly (greedy requests stay exact)", mode,
         )

@@ -1,4 +1,6 @@
-"""The drafter loads Apple-layout checkpoints exactly, computes docs/design.md's equations (The drafter), refuses bad input.
+"""The drafter loads Apple-layout checkpoints exactly, computes its equations, refuses bad input.
+
+The equations are those of docs/design.md, The drafter.
 
 Checkpoints are written BY HAND here from the documented key names (a dict of tensors and a JSON
 config), never through save_pretrained, and the golden logits come from a plain-tensor

@@ -2,10 +2,10 @@
 
 A result file is read on other machines: a path under the checkout or the working directory is
 written relative to it, one under the home directory as ``~/...``. Example, with the checkout
-at ``/src/vllm-redrafter`` and home ``/root``::
+at ``/src/vllm-redrafter`` and home ``/users/ada``::
 
     portable({"drafter": "/src/vllm-redrafter/vllm_redrafter/default_drafter",
-              "target": "/root/.cache/vllm-redrafter/SmolLM2-135M-Instruct-fp32"})
+              "target": "/users/ada/.cache/vllm-redrafter/SmolLM2-135M-Instruct-fp32"})
     == {"drafter": "vllm_redrafter/default_drafter",
         "target": "~/.cache/vllm-redrafter/SmolLM2-135M-Instruct-fp32"}
 """

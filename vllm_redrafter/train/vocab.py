@@ -1,17 +1,18 @@
 """The reduced draft vocabulary: the K target tokens the drafter's head scores.
 
-The drafter's LM head (exit_dim x V) dominates its cost (docs/costs.md, CPU: the drafter's LM head), and most of the
-target's V tokens are never drafted. The head therefore scores only the K most frequent tokens,
-counted on the TRAINING split (never the held-out split, never evaluation data):
+The drafter's LM head (exit_dim x V) dominates its cost (docs/costs.md, CPU: the drafter's LM
+head), and most of the target's V tokens are never drafted. The head therefore scores only the K
+most frequent tokens, counted on the TRAINING split (never the held-out split, never evaluation
+data):
 
     count(token) = count in the labels (the tokens the drafter must draft)
                  + text_weight * count in the training sequences (prompts and responses)
 
 The labels alone are a narrow distribution (a few thousand distinct tokens for ~50k positions,
-docs/costs.md, CPU: a first drafter); the text term widens K's coverage towards what a user's prompts
-bring in. The target's EOS id is always included (drafting the end of an answer is common).
-Ties break towards the smaller id so the choice is deterministic. The ids are returned sorted
-ascending; the drafter stores them as ``draft_vocab_ids`` (its checkpoint extension).
+docs/costs.md, CPU: a first drafter); the text term widens K's coverage towards what a user's
+prompts bring in. The target's EOS id is always included (drafting the end of an answer is
+common). Ties break towards the smaller id so the choice is deterministic. The ids are returned
+sorted ascending; the drafter stores them as ``draft_vocab_ids`` (its checkpoint extension).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ layout differs: FlashAttention keeps a layer's cache as ``[num_blocks, Hkv, bloc
 and splits it exactly as :meth:`tree_cache_views` does (its ``do_kv_cache_update``), which also
 writes the KV moves.
 
-Full CUDA graphs would replay the causal attention without the tree rows: the speculative config
-patch keeps CUDA graphs piecewise for redrafter (attention runs eagerly between the pieces).
+Full CUDA graphs would replay the causal attention without the tree rows: under them the runner
+drafts chains (W = 1) with a warning (``patches/runner_tree.py``); piecewise graphs keep trees.
 The GPU machines of this project cannot run vLLM 0.32 (its CUDA build needs torch 2.13): this
 module's path is tested on CPU with FlashAttention's kernels swapped for torch ones
 (``tests/test_tree_step.py``), and the Triton kernel against torch on the GPU.
