@@ -30,12 +30,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from test_train import prompts_file, shared_data_dir  # noqa: F401  (fixtures, rebuilt here)
 
 TESTS = Path(__file__).resolve().parent
-STEPS, SAVE_EVERY = 24, 3
-RECIPE = dict(max_steps=STEPS, save_every=SAVE_EVERY)  # small_recipe(prompts_file, **RECIPE)
+STEPS, SAVE_EVERY = 12, 3
+RECIPE = {"max_steps": STEPS, "save_every": SAVE_EVERY}  # small_recipe(prompts_file, **RECIPE)
 
 CHILD = r'''
 import io, json, os, sys, time
@@ -236,7 +235,7 @@ def test_sigkill_in_a_checkpoint_write_leaves_the_last_checkpoint(tmp_path, args
     run.sigkill()
     tmp = run.checkpoint.with_name("checkpoint.pt.tmp")
     assert 0 < tmp.stat().st_size < run.checkpoint.stat().st_size * 0.75
-    with pytest.raises(Exception):  # the torn write is not a checkpoint
+    with pytest.raises(RuntimeError, match="zip archive"):  # the torn write is not a checkpoint
         torch.load(tmp, map_location="cpu", weights_only=True)
     assert_unfinished(run, 6)
     resume_to_the_end(run, args, 6, uninterrupted)
@@ -259,18 +258,15 @@ def test_sigkill_of_a_free_running_run_between_checkpoints(tmp_path, args, unint
 
 
 def test_sigkill_while_saving_the_drafter_resumes(tmp_path, args, uninterrupted):
-    """Killed in the final save: the last checkpoint (step 24) is written and so is the drafter's
+    """Killed in the final save: the last checkpoint (step 12) is written and so is the drafter's
     config.json, but not model.safetensors, eval.json or training.json. The same command should
-    finish the save from the checkpoint."""
+    finish the save from the checkpoint (pipeline._killed_while_saving)."""
     run = Run(tmp_path, *args, hold_in_final_save=True)
     assert run.wait_for(run.marker) == {"final_save": True}
     run.sigkill()
     assert checkpoint_step(run.checkpoint) == STEPS
     assert (run.out / "config.json").is_file() and not (run.out / "model.safetensors").exists()
-    again = Run(run.dir, *args)
-    if again.proc.wait(timeout=120) != 0 and "already holds a trained drafter" in again.output():
-        pytest.xfail("known bug: a run killed while saving its drafter is refused as finished "
-                     "(config.json is written first), and --overwrite would drop its checkpoint")
+    again = Run(run.dir, *args)  # its checkpoint and run.json, no training.json: a torn save
     assert again.finish() == {"finished": True, "steps_done": STEPS}
     assert again.steps() == []  # nothing retrained: the checkpoint is the last step's
     assert_same_weights(uninterrupted, run.out)

@@ -116,6 +116,9 @@ def check_output_dir(output_dir: Path, identity: dict, fingerprint: str, overwri
     """Refuse to clobber a trained drafter (without overwrite), another model's drafter, or a
     directory that holds something else; with overwrite, clear the previous run's files."""
     config_file = output_dir / "config.json"
+    if not overwrite and _killed_while_saving(output_dir, fingerprint):
+        for name in FINAL_FILES:  # a torn final save: redone from the last checkpoint
+            (output_dir / name).unlink(missing_ok=True)
     if config_file.is_file():
         try:
             config = json.loads(config_file.read_text())
@@ -147,6 +150,15 @@ def check_output_dir(output_dir: Path, identity: dict, fingerprint: str, overwri
             (output_dir / WORK / name).unlink(missing_ok=True)
     (output_dir / WORK).mkdir(parents=True, exist_ok=True)
     write_json(run_file, {"target": identity, "fingerprint": fingerprint})
+
+
+def _killed_while_saving(output_dir: Path, fingerprint: str) -> bool:
+    """This run's checkpoint and run.json are there but no training.json: the run was killed
+    after its last checkpoint, while writing the drafter (training.json is written last)."""
+    run_file = output_dir / WORK / RUN_FILE
+    return ((output_dir / WORK / CHECKPOINT).is_file() and run_file.is_file()
+            and not (output_dir / "training.json").is_file()
+            and json.loads(run_file.read_text()).get("fingerprint") == fingerprint)
 
 
 def _refuse_existing_drafter(output_dir: Path, config: dict, identity: dict) -> None:
