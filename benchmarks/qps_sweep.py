@@ -15,12 +15,12 @@ later-started one faster in our measurement: use an even ``--repeats``; with an 
 over the repeats: output throughput (all tokens / all seconds), TTFT and TPOT (mean, median,
 p99 over every request), and for ReDrafter the fraction of request-steps that drafted (from the
 server's /metrics). Printed as a table, written as JSON with
-every run's scalars, and drawn as ratios to vLLM alone vs load. Measure the step cost first
-(``benchmarks/step_cost.py``): without it the policy is off. ``--step-cost FILE`` gives the policy
-another curve (one that makes every extra token ruinous measures what a server that never drafts
-costs). The servers inherit this script's environment: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0 python
-benchmarks/qps_sweep.py`` serves on every core (vLLM reserves one for its engine core by default;
-the JSON records the ``VLLM_CPU_*`` variables), with a step-cost curve measured the same way.
+every run's scalars, and drawn as ratios to vLLM alone vs load. The policy learns the step
+cost from the server's own steps; a cached curve (``vllm-redrafter step-cost``) is only its
+prior, and ``--step-cost FILE`` gives it another one. The servers inherit this script's
+environment: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0 python benchmarks/qps_sweep.py`` serves on every
+core (vLLM reserves one for its engine core by default; the JSON records the ``VLLM_CPU_*``
+variables).
 
     python benchmarks/qps_sweep.py [--drafter DIR] [--concurrency 1,2,4,8,16] [--rates R,...]
         [--prompts-per-level 6] [--repeats 2] [--fixed-repeats N] [--warmup-prompts 16]

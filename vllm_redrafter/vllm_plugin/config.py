@@ -126,7 +126,7 @@ def validate_settings(
         if not Path(str(step_cost)).is_file():
             raise ReDrafterConfigError(
                 f"speculative_config['step_cost'] must be a step-cost JSON file "
-                f"(benchmarks/step_cost.py writes one), got {step_cost!r}: no such file")
+                f"(`vllm-redrafter step-cost` writes one), got {step_cost!r}: no such file")
         step_cost = str(Path(str(step_cost)).resolve())
     min_gain = _float_field("min_gain", raw.get("min_gain", DEFAULT_MIN_GAIN), low=1.0, high=10.0)
     return ReDrafterSettings(str(drafter_dir), W, L, N, verification, policy, step_cost, min_gain)

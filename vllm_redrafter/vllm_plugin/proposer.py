@@ -12,7 +12,8 @@ packed nodes after the root as the request's draft list; it keeps each tree's sh
 
 Debug: with ``VLLM_REDRAFTER_STEP_LOG=FILE`` every step appends one JSON line to FILE (the time
 of the call, the requests and the tokens each emitted, the beam shape chosen, the policy's
-expected tokens/s for it and for a plain step, its lockstep share): ``benchmarks/step_log.py``
+expected tokens/s for it and for a plain step, the rule that chose it, what it knows of this
+batch size: ``BeamPolicy.describe``): ``benchmarks/step_log.py``
 turns it into realized tokens/s per batch size and shape, beside what the policy expected.
 
 A request whose features assume a chain (penalties, bad words, logit bias, allowed tokens,
@@ -37,6 +38,10 @@ from torch import Tensor, nn
 
 from vllm_redrafter.beam_policy import (
     BeamPolicy,
+    Choice,
+    PolicyConfig,
+    StepObservation,
+    VerifiedTree,
     acceptance_kind,
     load_step_cost,
     step_cost_path,
@@ -111,7 +116,9 @@ class ReDrafterProposer:
         self.num_failed_steps = 0
         self.trees: dict[str, RequestTree] = {}  # req_id -> the tree proposed this step
         self.allow_trees = True  # False: the attention backend cannot mask trees; chains only
-        self.policy: BeamPolicy | None = None  # beam_policy "auto" with a measured step cost
+        self.policy: BeamPolicy | None = None  # beam_policy "auto" (the default)
+        self.choice: Choice | None = None  # the policy's choice this step
+        self.draft_seconds = 0.0  # drafting time of this step, for the policy's next observation
         self.shapes: dict[str, tuple[int, int]] = {}  # req_id -> (W, L) of its tree this step
         self.step_log = envs.step_log_path()  # debug (module doc)
 
@@ -150,19 +157,20 @@ class ReDrafterProposer:
         )
 
     def _load_policy(self, weight: Tensor) -> BeamPolicy | None:
-        """The beam policy, if asked for ("auto") and this machine's step cost was measured."""
+        """The beam policy, unless beam_policy is "fixed": it learns this machine's costs from
+        the engine's own steps; a step-cost curve, given or cached here, is only its prior."""
         if self.settings.beam_policy != "auto":
             return None
         device = torch.cuda.get_device_name(weight.device) if weight.is_cuda else weight.device.type
         path = Path(self.settings.step_cost or step_cost_path(
             self.model_config.model, str(weight.dtype), device, torch.get_num_threads()))
-        if not path.is_file():
-            logger.info("ReDrafter: no step-cost curve for this model and machine (%s; "
-                        "benchmarks/step_cost.py measures it): fixed beam shape", path)
-            return None
-        logger.info("ReDrafter: beam policy on, step cost from %s", path)
-        return BeamPolicy(load_step_cost(path), self.settings.beam_width, self.settings.beam_length,
-                          min_gain=self.settings.min_gain)
+        prior = load_step_cost(path) if path.is_file() else None
+        logger.info("ReDrafter: beam policy on (W <= %d, L <= %d), %s",
+                    self.settings.beam_width, self.settings.beam_length,
+                    f"step-cost prior {path}" if prior is not None else
+                    "learning this machine's step costs from its own steps")
+        return BeamPolicy(self.settings.beam_width, self.settings.beam_length,
+                          PolicyConfig(min_gain=self.settings.min_gain), prior)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -181,19 +189,18 @@ class ReDrafterProposer:
         """
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         now = time.perf_counter()
-        if self.policy is not None:
-            self.policy.last = None
-            self.policy.step([r.req_id for r in requests],
-                             prefilling=not all(sampled_token_ids), now=now,
-                             emitted=[len(tokens) for tokens in sampled_token_ids])
-            self._observe_verified(sampled_token_ids, requests)
-        self.trees, self.shapes = {}, {}
+        observed = None
+        if self.policy is not None:  # what the step that just ended showed (its trees verified)
+            observed = StepObservation(now, tuple(r.req_id for r in requests),
+                                       not all(sampled_token_ids),
+                                       self._observe_verified(sampled_token_ids, requests),
+                                       self.draft_seconds)
+        self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
         active = [i for i, tokens in enumerate(sampled_token_ids)
                   if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
         shapes = self._shapes([requests[i] for i in active], cap,
-                              others=len(sampled_token_ids) - len(active),
-                              tokens_left=[_tokens_left(r) for r in requests])
+                              others=len(sampled_token_ids) - len(active), observed=observed)
         active = [i for i, s in zip(active, shapes) if s is not None]
         shapes = [s for s in shapes if s is not None]
         if active:
@@ -206,10 +213,7 @@ class ReDrafterProposer:
             except Exception:  # a failing drafter costs this step's drafts, never a request
                 self._note_failure("raised", exc_info=True)
                 trees = [None] * len(active)
-            if self.policy is not None:  # _trees synchronised (its host transfer)
-                self.policy.draft.observe(len(active), max(s.beam_width for s in shapes),
-                                          max(s.beam_length for s in shapes),
-                                          time.perf_counter() - start)
+            self.draft_seconds = time.perf_counter() - start  # _trees synchronised (host copy)
             for i, tree, shape in zip(active, trees, shapes):
                 if tree is not None and len(tree.tokens) > 1:
                     drafts[i] = tree.drafts
@@ -222,19 +226,19 @@ class ReDrafterProposer:
         return drafts
 
     def _shapes(self, requests: Sequence[Any], cap: int, others: int = 0,
-                tokens_left: Sequence[int] | None = None) -> list[RequestSettings | None]:
+                observed: StepObservation | None = None) -> list[RequestSettings | None]:
         """Each request's beam shape this step (None: no drafts).
 
         A request's own W / L (``extra_args``) are kept; the others take the beam policy's
-        choice for this batch when the policy is on, else the engine's. Beams never go deeper
-        than the tokens a request may still emit; without tree attention they are chains.
+        choice for this batch when the policy is on (``observed``: the step that just ended,
+        given to it once per step), else the engine's. Beams never go deeper than the tokens a
+        request may still emit; without tree attention they are chains.
         """
         shapes = [self._request_settings(r) for r in requests]
-        if self.policy is not None and any(not s.own_shape for s in shapes):
-            choice = self.policy.choose([_kind(r) for r in requests], cap, others, tokens_left)
-            if choice.width == 0:
-                self.policy.observe_no_drafts([_kind(r) for r, s in zip(requests, shapes)
-                                               if not s.own_shape])
+        if self.policy is not None and observed is not None:
+            kinds = tuple(_kind(r) for r, s in zip(requests, shapes) if not s.own_shape)
+            self.choice = choice = self.policy.step(dataclasses.replace(
+                observed, kinds=kinds, others=others + len(requests) - len(kinds), max_nodes=cap))
             shapes = [s if s.own_shape else
                       None if choice.width == 0 else
                       dataclasses.replace(s, beam_width=choice.width, beam_length=choice.length)
@@ -244,14 +248,14 @@ class ReDrafterProposer:
                     beam_length=min(s.beam_length, _tokens_left(r)))
                 for s, r in zip(shapes, requests)]
 
-    def _observe_verified(self, sampled_token_ids: list[list[int]], requests: Sequence[Any]):
-        """Count, for the policy, what last step's trees got accepted (emitted - the bonus)."""
-        assert self.policy is not None
-        for tokens, request in zip(sampled_token_ids, requests):
-            shape = self.shapes.get(request.req_id)
-            if shape is not None and tokens:
-                packed = len(self.trees[request.req_id].tokens)
-                self.policy.observe(_kind(request), *shape, packed, len(tokens) - 1)
+    def _observe_verified(self, sampled_token_ids: list[list[int]],
+                          requests: Sequence[Any]) -> tuple[VerifiedTree, ...]:
+        """For the policy: last step's trees, each with what got accepted (emitted - the bonus)."""
+        return tuple(
+            VerifiedTree(_kind(request), *shape, len(self.trees[request.req_id].tokens),
+                         len(tokens) - 1)
+            for tokens, request in zip(sampled_token_ids, requests)
+            if tokens and (shape := self.shapes.get(request.req_id)) is not None)
 
     def _trees(
         self, h: Tensor, last_tokens: list[int], shapes: list[RequestSettings],
@@ -331,16 +335,12 @@ class ReDrafterProposer:
                                   "emitted": [len(t) for t in sampled_token_ids],
                                   "drafted": sum(bool(d) for d in drafts),
                                   "nodes": sum(len(d) for d in drafts)}
-        policy = self.policy
-        if policy is not None and policy.last is not None:
-            plain, chosen, share = policy.last
-            n = len(requests)
-            record.update(shape=[chosen.width, chosen.length],
-                          expected_tps=chosen.tokens_per_second, plain_tps=plain.tokens_per_second,
-                          model_s=chosen.seconds,
-                          scale=policy.times.correction(n, chosen.width, chosen.length),
-                          plain_model_s=plain.seconds, plain_scale=policy.times.correction(n, 0, 0),
-                          lockstep_share=share)
+        if self.policy is not None and self.choice is not None:
+            choice = self.choice
+            record.update(shape=[choice.width, choice.length], reason=choice.reason,
+                          expected_tps=choice.tokens_per_second,
+                          plain_tps=choice.plain_tokens_per_second,
+                          policy=self.policy.describe(len(requests)))
         with open(self.step_log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
