@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,29 @@ import torch
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_kernels_interpreted() -> None:
+    """On a CPU, the Triton kernels run in Triton's interpreter, which is chosen when triton and
+    the kernels are first imported. Any module that imports vLLM imports triton too, so the
+    kernels are imported here, before any test module, with ``TRITON_INTERPRET=1``; the variable
+    is then restored (test_kernels.py sets it for its own tests) so engines never see it."""
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+
+        from vllm_redrafter.kernels import fused_beam_step, sampling, tree_attention  # noqa: F401
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_kernels_interpreted()
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,7 @@
 """Tests for vllm_redrafter/kernels: each Triton kernel against an independent torch reference.
 
-On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below before triton is
-imported), at tiny shapes. If triton was already imported in this process without it (another test
-module imported vLLM first), the interpreter cannot be switched on any more: the kernel tests then
-skip here and ``test_kernels_in_subprocess`` reruns this file in a fresh interpreter.
+On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set before triton is first
+imported: by tests/conftest.py, or below when this file runs alone), at tiny shapes.
 GPU-shape tests are marked ``gpu`` and need CUDA.
 """
 
@@ -11,9 +9,6 @@ from __future__ import annotations
 
 import doctest
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch  # does not import triton
@@ -53,20 +48,14 @@ INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
 RUNNABLE = CUDA or INTERPRETED
 DEVICE = "cuda" if CUDA else "cpu"
 needs_kernels = pytest.mark.skipif(
-    not RUNNABLE, reason="triton was imported without TRITON_INTERPRET=1: see test_kernels_in_subprocess"
+    not RUNNABLE, reason="triton was imported without TRITON_INTERPRET=1 (test_kernels_run_in_this_process fails)"
 )
 
 
-def test_kernels_in_subprocess():
-    """Rerun this file in a fresh interpreter when this process cannot interpret the kernels."""
-    if RUNNABLE:
-        pytest.skip("the kernels run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env=env, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1],
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+def test_kernels_run_in_this_process():
+    """conftest.py imports the kernels under TRITON_INTERPRET=1 before any module imports vLLM
+    (which imports triton), so on a CPU every kernel test below runs, interpreted."""
+    assert RUNNABLE, "triton was imported without TRITON_INTERPRET=1 before conftest.py ran"
 
 
 @pytest.mark.parametrize("module", [ta, fb])
