@@ -108,6 +108,8 @@ class ReDrafterProposer:
             )
         self.settings: ReDrafterSettings = settings
         self.model_config = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        self.num_workers = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         self.drafter: RecurrentDrafter | None = None
         self.target: nn.Module | None = None
         self.beam_source: BeamSource = self._drafter_beam_search
@@ -160,6 +162,11 @@ class ReDrafterProposer:
         """The beam policy, unless beam_policy is "fixed": it learns this machine's costs from
         the engine's own steps; a step-cost curve, given or cached here, is only its prior."""
         if self.settings.beam_policy != "auto":
+            return None
+        if self.num_workers > 1:  # each worker would time its own steps and choose its own shape
+            logger.warning("ReDrafter: beam_policy 'auto' is not supported with %d workers yet "
+                           "(they would choose apart); drafting the fixed W=%d L=%d",
+                           self.num_workers, self.settings.beam_width, self.settings.beam_length)
             return None
         device = torch.cuda.get_device_name(weight.device) if weight.is_cuda else weight.device.type
         path = Path(self.settings.step_cost or step_cost_path(
