@@ -544,7 +544,7 @@ def test_steps_without_drafts_sample_as_vllm_alone(llm, proposer, prompts, alone
         monkeypatch.setattr(owner, name,
                             lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
     monkeypatch.setattr(proposer, "_shapes",
-                        lambda requests, cap, others=0, tokens_left=None: [None] * len(requests))
+                        lambda requests, cap, **kwargs: [None] * len(requests))
     outputs = generate(llm, prompts[:4], [SEEDED] * 4)
     assert [list(o.outputs[0].token_ids) for o in outputs] == alone_seeded
     assert calls == [] and not any(r.drafts for r in proposer.trace)
