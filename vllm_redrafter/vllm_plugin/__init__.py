@@ -53,6 +53,7 @@ def register() -> None:
         request_params,
         runner_hidden_states,
         runner_tree,
+        seeded_chunks_cpu,
         speculative_config,
     )
 
@@ -65,6 +66,7 @@ def register() -> None:
     runner_hidden_states.apply()
     runner_tree.apply()
     draft_handoff.apply()
+    seeded_chunks_cpu.apply()
     request_params.apply()
     _register_tree_attention()
     logger.debug("vllm-redrafter: patches for vLLM %s applied", PINNED_VLLM_VERSION)
