@@ -107,6 +107,7 @@ def _prepare_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _forward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    from vllm_redrafter.vllm_plugin import mutations
     from vllm_redrafter.vllm_plugin.attention import tree_attention
     from vllm_redrafter.vllm_plugin.timing import timed
     from vllm_redrafter.vllm_plugin.verifier import TreeVerifier
@@ -121,8 +122,10 @@ def _forward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
                 return original(self, input_ids, positions, intermediate_tensors, inputs_embeds,
                                 **model_kwargs)
         step.forward_done = True
-        positions = step.rewrite_positions(positions)
-        inputs = None if step.is_chain else step.attention_inputs(positions.device)
+        if not mutations.NO_POSITION_REWRITE:  # test-only switch, off in production
+            positions = step.rewrite_positions(positions)
+        causal = step.is_chain or mutations.CAUSAL_TREE_MASK  # (test-only switch)
+        inputs = None if causal else step.attention_inputs(positions.device)
         with tree_attention(inputs), timed(timings, "verify", self.device):
             return original(self, input_ids, positions, intermediate_tensors, inputs_embeds,
                             **model_kwargs)

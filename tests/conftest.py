@@ -17,6 +17,12 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--exactness-full", action="store_true",
+                     help="test_vllm_plugin's exact-sampling tests at full size (power against a "
+                          "0.05 total-variation bias; benchmarks/exactness.py)")
+
+
 def _import_kernels_interpreted() -> None:
     """On a CPU, the Triton kernels run in Triton's interpreter, which is chosen when triton and
     the kernels are first imported. Any module that imports vLLM imports triton too, so the

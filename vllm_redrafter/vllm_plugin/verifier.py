@@ -35,6 +35,7 @@ from vllm_redrafter.verify import (
     verify_sampling,
     verify_typical,
 )
+from vllm_redrafter.vllm_plugin import mutations
 from vllm_redrafter.vllm_plugin.timing import timed
 from vllm_redrafter.vllm_plugin.tree_step import RequestTree, TreeStep
 
@@ -134,6 +135,8 @@ class TreeVerifier(nn.Module):
                 one = _verify_one(tree, t, logits[_tree_rows(logits, [starts[b]], [t])].float(),
                                   params.row(r))
                 results.extend(_accepted_lists(one))
+        if mutations.BONUS_AT_DEPTH_ROW:  # test-only switch, off in production
+            _bonus_at_depth_row(results, logits, [starts[b] for b in reqs], params)
         return dict(zip(reqs, results))
 
     def _params(self, reqs: list[int], sampling_metadata, device) -> SamplingParamsBatch:
@@ -156,7 +159,7 @@ class TreeVerifier(nn.Module):
         self.num_tree_verifications += len(paths)
         self.num_branching_verifications += sum(not step.trees[b].is_chain for b in paths)
         self.num_kv_moves += sum(any(node != d for d, node in enumerate(p)) for p in paths.values())
-        if not src:
+        if not src or mutations.SKIP_KV_MOVE:  # (test-only switch, off in production)
             return
         slots = step.slot_mapping
         src_slots = slots[torch.tensor(src, device=slots.device)].long()
@@ -192,6 +195,21 @@ def _accepted_lists(acceptance: Acceptance) -> list[tuple[list[int], list[int]]]
     tokens, num, path = (acceptance.tokens.tolist(), acceptance.num_accepted.tolist(),
                          acceptance.path.tolist())
     return [(t[: n + 1], p[: n + 1]) for t, n, p in zip(tokens, num, path)]
+
+
+def _bonus_at_depth_row(results: list[tuple[list[int], list[int]]], logits: Tensor,
+                        starts: list[int], params: SamplingParamsBatch) -> None:
+    """Test-only mutation (``mutations.BONUS_AT_DEPTH_ROW``): redraw each bonus at packed row d,
+    the accepted depth, instead of at the last accepted node (a chain's row, wrong off beam 0)."""
+    from vllm_redrafter.sampling import sample_from_probs, target_probs
+
+    for r, (tokens, path) in enumerate(results):
+        row = logits[starts[r] + len(path) - 1][None, None].float()  # [1, 1, V]
+        one = params.row(r)
+        if bool(greedy_rows(one)[0]):
+            tokens[-1] = int(row.argmax())
+        else:
+            tokens[-1] = int(sample_from_probs(target_probs(row, one), one)[0, 0])
 
 
 def _verify_one(tree: PackedTree, request: RequestTree, logits: Tensor,
