@@ -4,7 +4,9 @@
 runs vllm_redrafter.reference_loop (the target alone decides every token, greedy) on chat
 prompts and returns tokens per target forward (accepted + bonus), per-position acceptance, the
 drafting time per step (beam search only) and the share of the target's response tokens inside
-the drafter's draft vocabulary.
+the drafter's draft vocabulary. With ``context_candidates`` C > 0 each step's tree also holds up
+to C context candidates (prompt lookup, ``vllm_redrafter/context_candidates.py``); beam_width 0
+drafts the candidates alone.
 
 The evaluation prompts are the MT-Bench first turns shipped in the package (``eval_sets``):
 evaluation only, never training data, never used to choose K or any setting.
@@ -19,7 +21,12 @@ import torch
 
 from vllm_redrafter.drafter import RecurrentDrafter
 from vllm_redrafter.eval_sets import MT_BENCH, read_questions
-from vllm_redrafter.reference_loop import DrafterProposer, chat_prompt_ids, speculative_generate
+from vllm_redrafter.reference_loop import (
+    ContextCandidatesProposer,
+    DrafterProposer,
+    chat_prompt_ids,
+    speculative_generate,
+)
 
 
 
@@ -64,21 +71,32 @@ def load_target(target_dir: str | Path, device: str = "cpu"):
 @torch.no_grad()
 def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list[str],
                   beam_width: int, beam_length: int, max_new_tokens: int,
-                  model_and_tokenizer=None, categories: list[str] | None = None) -> dict:
+                  model_and_tokenizer=None, categories: list[str] | None = None,
+                  context_candidates: int = 0, lookup: tuple[int, int] = (2, 5)) -> dict:
     """tokens/step etc. of the drafter in ``drafter_dir`` over ``prompts`` (see module doc).
 
-    With ``categories`` (one per prompt) the result also has tokens/step per category.
+    With ``categories`` (one per prompt) the result also has tokens/step per category. With
+    ``context_candidates`` (lookup: its n-gram lengths, min and max) it also has the share of
+    steps whose accepted path only a candidate held (``candidate_won``).
     """
     model, tokenizer = model_and_tokenizer or load_target(target_dir)
     drafter = RecurrentDrafter.from_pretrained(drafter_dir, model.get_input_embeddings(),
                                                device=model.device, dtype=torch.float32).eval()
-    proposer = TimedProposer(drafter, beam_width, beam_length)
-    steps, accepted, hist = 0, 0, [0] * beam_length
+    proposer = TimedProposer(drafter, beam_width, beam_length) if beam_width else None
+    steps, accepted, hist, won = 0, 0, [0] * beam_length, 0
     response_tokens: list[int] = []
     by_category: dict[str, list[int]] = {}  # category -> [steps, accepted]
     for i, question in enumerate(prompts):
-        result = speculative_generate(model, chat_prompt_ids(tokenizer, question), proposer,
-                                      max_new_tokens, tokenizer.eos_token_id)
+        prompt_ids = chat_prompt_ids(tokenizer, question)
+        propose = proposer
+        if context_candidates:
+            propose = ContextCandidatesProposer(proposer, prompt_ids, context_candidates,
+                                                beam_length, *lookup)
+        result = speculative_generate(model, prompt_ids, propose, max_new_tokens,
+                                      tokenizer.eos_token_id)
+        if context_candidates:
+            won += sum(s.num_accepted > 0 and s.winning_beam >= rows
+                       for s, rows in zip(result.steps, propose.rows))
         response_tokens += result.tokens
         tally = by_category.setdefault(categories[i] if categories else "all", [0, 0])
         for step in result.steps:
@@ -95,7 +113,9 @@ def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list
         "steps": steps, "tokens_per_step": (accepted + steps) / max(steps, 1),
         # share of steps that accepted at least k draft tokens, k = 1..L-1
         "acceptance_at_least": [sum(hist[k:]) / max(steps, 1) for k in range(1, beam_length)],
-        "draft_ms_per_step": 1000 * sum(proposer.seconds) / max(len(proposer.seconds), 1),
+        "context_candidates": context_candidates, "candidate_won": won / max(steps, 1),
+        "draft_ms_per_step": (1000 * sum(proposer.seconds) / max(len(proposer.seconds), 1)
+                              if proposer else 0.0),
         "response_tokens_in_draft_vocab": float(torch.isin(tokens, draft_ids).double().mean()),
         "draft_vocab_size": int(draft_ids.numel()),
         **({"tokens_per_step_by_category": {c: (a + n) / max(n, 1) for c, (n, a) in by_category.items()}}

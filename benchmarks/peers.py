@@ -25,7 +25,8 @@ Arms (``--arms``, vLLM alone always in):
   Every measurement here sends a prompt more than once (repeats, load levels), and the cache
   would answer a prompt sent again from memory, a gain no new request gets.
 - ``redrafter``: vLLM + ReDrafter with the shipped drafter (``--drafter``), ``--beam-width``,
-  ``--beam-length`` and ``--beam-policy`` (default W=1 L=3 fixed, the demo's shape).
+  ``--beam-length`` and ``--beam-policy`` (default W=1 L=3 fixed, the demo's shape), without
+  context candidates; ``redrafter_ctx``: the same with ``--context-candidates`` (default 1).
 
 Sets (``--sets``): ``mt_bench`` and the project's own evaluation sets (``eval_sets.EVAL_SETS``:
 translation, summarization, qa, math, rag, code_edit). Per set, the first ``--num-prompts``
@@ -92,7 +93,7 @@ from vllm_redrafter.eval_sets import (
 )
 from vllm_redrafter.results import portable
 
-ARMS = ("alone", "ngram", "ngram_best", "suffix", "redrafter")
+ARMS = ("alone", "ngram", "ngram_best", "suffix", "redrafter", "redrafter_ctx")
 SETS = ("mt_bench", *EVAL_SETS)
 NGRAM_DOC = "5:4:4"  # vLLM's docs: num_speculative_tokens 5, prompt_lookup_max 4 (min := max)
 NGRAM_SWEEP = "2:2:4,3:2:4,5:2:4,2:3:5,3:3:5,5:3:5"
@@ -152,6 +153,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drafter", type=Path, default=DEFAULT_DRAFTER)
     parser.add_argument("--beam-width", type=int, default=1)
     parser.add_argument("--beam-length", type=int, default=3)
+    parser.add_argument("--context-candidates", type=int, default=1,
+                        help="C of the redrafter_ctx arm")
     parser.add_argument("--beam-policy", default="fixed", choices=("fixed", "auto"))
     parser.add_argument("--serving", action="store_true", help="run the serving sweep too")
     parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16])
@@ -190,12 +193,14 @@ def arm_specs(args, notes: list[str]) -> dict[str, dict | None]:
                 continue
             specs[arm] = {"method": "suffix",
                           "suffix_decoding_max_cached_requests": args.suffix_cached_requests}
-        elif arm == "redrafter":
+        elif arm in ("redrafter", "redrafter_ctx"):
             if not (args.drafter / "config.json").is_file():
                 raise SystemExit(f"no drafter at {args.drafter} (pass --drafter DIR)")
             specs[arm] = {"method": "redrafter", "model": str(args.drafter.resolve()),
                           "beam_width": args.beam_width, "beam_length": args.beam_length,
-                          "beam_policy": args.beam_policy}
+                          "beam_policy": args.beam_policy,
+                          "context_candidates": args.context_candidates if arm.endswith("ctx")
+                          else 0}
     return specs
 
 

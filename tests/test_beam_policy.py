@@ -362,3 +362,62 @@ def test_step_log_summarizes_what_the_policy_chose():
     s = step_log.summary(step_log.steps(lines))  # 9 steps between 10 lines
     assert s["reasons"] == {"best": 4, "plain-refresh": 5}
     assert {tuple(c["shape"]) for c in s["cells"]} == {(1, 3), (0, 0)}
+
+
+# -- context candidates ------------------------------------------------------------------------------
+
+
+def test_candidates_are_scored_in_the_shadow_beyond_the_drafters_acceptance():
+    stats = beam_policy.CandidateStats(2, decay=1.0)
+    output = [9]
+    stats.observe(1, output, 0)
+    stats.propose(1, len(output), ((4, 5, 6), (7, 8, 1)))
+    output += [4, 5]  # the step emitted 2 tokens: candidate 0 matched both, may match more
+    stats.observe(2, output, 1)  # the drafter's beams accepted 1 of them
+    assert stats.expected_extra(1) is None  # undecided
+    output += [0]  # the third token is not candidate 0's
+    stats.observe(3, output, 0)
+    assert stats.expected_extra(1) == 1.0 and stats.expected_extra(2) == 1.0  # 2 matched - 1
+    stats.propose(3, len(output), ((3,), (0, 0, 0)))
+    output += [0, 0, 0]
+    stats.observe(4, output, 0)
+    assert stats.expected_extra(1) == 0.5  # (1 + 0) / 2: the first candidate missed
+    assert stats.expected_extra(2) == 2.0  # (1 + 3) / 2: the second one matched 3
+    stats.propose(5, len(output), ((1,),))  # proposed at call 5, but call 6 never came:
+    stats.observe(7, output + [1], 0)  # its drafter's acceptance is unknown, it is dropped
+    assert stats.pending == [] and stats.weight == 2.0
+    assert beam_policy.trie_nodes([(1, 2), (1, 3), (1, 2, 4)]) == 4
+
+
+COPYING, NOT_COPYING = (0.6, 0.45, 0.35), (0.0, 0.0, 0.0)
+"""P(a context candidate's first d tokens are right) of a request that copies its context, and
+of one that does not (stated, not measured: the policy must tell them apart)."""
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+def test_candidates_are_taken_where_accepted_and_dropped_where_not(batch):
+    """Requests that copy and requests that do not, alternating in one batch: the copying ones
+    take their candidate almost every step, the others almost never; tokens/s rises over the
+    same policy without candidates, and with only non-copying requests it stays as without."""
+    texts = [COPYING if r % 2 == 0 else NOT_COPYING for r in range(batch)]
+    log = run(BeamPolicy(4, 4), CPU, SHIPPED, batch, 1000, candidates=texts)
+    took = [sum(s.candidates[r] for s in log[100:]) / len(log[100:]) for r in range(batch)]
+    assert all(t > 0.9 for t in took[0::2]), took
+    assert all(t < 0.05 for t in took[1::2]), took
+    without = rate(run(BeamPolicy(4, 4), CPU, SHIPPED, batch, 1000))
+    print(f"\nbatch {batch}: candidates taken {took}, tokens/s x{rate(log) / without:.2f}")
+    assert rate(log) > (1.1 if batch == 1 else 1.05) * without
+    useless = rate(run(BeamPolicy(4, 4), CPU, SHIPPED, batch, 1000,
+                       candidates=[NOT_COPYING] * batch))
+    assert useless >= 0.98 * without
+
+
+def test_where_the_drafter_does_not_pay_candidates_alone_are_drafted():
+    """A drafter that rarely hits (plain steps win): the copying request still drafts its
+    candidate, alone (width 0), and beats plain decoding."""
+    weak = SHIPPED.scaled(0.3)
+    log = run(BeamPolicy(4, 4), CPU, weak, 1, 1000, candidates=[COPYING])
+    late = log[200:]
+    alone = sum(s.width == 0 and s.candidates[0] for s in late) / len(late)
+    assert alone > 0.5, alone
+    assert rate(log) > 1.3 * rate(run((0, 0), CPU, weak, 1, 1000))

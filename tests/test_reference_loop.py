@@ -6,8 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from vllm_redrafter.context_candidates import find_candidates
 from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
 from vllm_redrafter.reference_loop import (
+    ContextCandidatesProposer,
     DrafterProposer,
     TeacherForcedProposer,
     chat_prompt_ids,
@@ -87,3 +89,38 @@ def test_drafter_tree_loop_matches_target_greedy(target, prompts_and_references)
     for prompt, reference in list(zip(prompts, references))[:3]:
         result = speculative_generate(model, prompt, proposer, 24, tokenizer.eos_token_id)
         assert result.tokens == reference[:24]
+
+
+class OneTokenLate(ContextCandidatesProposer):
+    """Negative control: each candidate starts one token after where the lookup says."""
+
+    def find(self, context):
+        return [c[1:] for c in find_candidates(context, self.count, self.length, self.min_n,
+                                                self.max_n) if len(c) > 1]
+
+
+def test_context_candidates_keep_the_target_greedy_output(target, prompts_and_references):
+    """An untrained drafter's beams (it accepts next to nothing) and 2 context candidates in one
+    tree: the target's own greedy output; the accepted path lay on a candidate alone in some
+    steps, and far less often with candidates one token late (same output)."""
+    model, tokenizer = target
+    prompts, references = prompts_and_references
+    config = model.config
+    torch.manual_seed(0)
+    drafter = RecurrentDrafter(
+        DrafterConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                      exit_dim=2 * config.hidden_size, num_draft_layers=1, draft_vocab_size=512),
+        embedding=model.get_input_embeddings(),
+    ).eval()
+    won = {}
+    for name, kind in (("right", ContextCandidatesProposer), ("late", OneTokenLate)):
+        won[name] = 0
+        for prompt, reference in list(zip(prompts, references))[:4]:
+            proposer = kind(DrafterProposer(drafter, 2, 4), prompt, 2, 4, min_n=2, max_n=5)
+            result = speculative_generate(model, prompt, proposer, MAX_NEW_TOKENS,
+                                          tokenizer.eos_token_id)
+            assert result.tokens == reference, name
+            won[name] += sum(s.num_accepted > 0 and s.winning_beam >= rows
+                             for s, rows in zip(result.steps, proposer.rows))
+    print(f"\nsteps whose accepted path only a candidate held: {won}")
+    assert won["right"] >= 5 and won["late"] <= won["right"] // 3, won

@@ -43,12 +43,13 @@ def test_rewrite_into_custom_class_keeps_vllm_keys(drafter_dir):
     )
     assert out["method"] == "custom_class"
     assert out["model"] == PROPOSER_CLASS
-    assert out["num_speculative_tokens"] == 2 * 3  # W * (L - 1) when omitted
+    assert out["num_speculative_tokens"] == (2 + 1) * 3  # (W + context_candidates) * (L - 1)
     assert out["enforce_eager"] is True  # vLLM's own keys pass through to vLLM
     assert not {"beam_width", "beam_length", "verification", "beam_policy"} & out.keys()
     extra = out["draft_load_config"]["model_loader_extra_config"]
     settings = settings_from_extra_config(extra)
-    assert settings == ReDrafterSettings(str(drafter_dir.resolve()), 2, 4, 6, "exact", "auto")
+    assert settings == ReDrafterSettings(str(drafter_dir.resolve()), 2, 4, 9, "exact", "auto",
+                                         context_candidates=1)
     # the settings travel to the workers inside the pickled VllmConfig
     assert pickle.loads(pickle.dumps(extra)) == extra
 
@@ -89,6 +90,13 @@ def test_explicit_num_speculative_tokens_is_kept(drafter_dir):
         ({"step_cost": "/nowhere/curve.json"}, "step_cost", "no such file"),
         ({"min_gain": 0.9}, "min_gain", "a number in [1.0, 10.0], got 0.9"),
         ({"min_gain": "1.2"}, "min_gain", "a number in [1.0, 10.0], got '1.2'"),
+        ({"context_candidates": -1}, "context_candidates", "an integer in [0, 16], got -1"),
+        ({"context_candidates": 1.5}, "context_candidates", "an integer in [0, 16], got 1.5"),
+        ({"context_candidates": 2, "verification": "rejection"}, "context_candidates",
+         "must be 0 with 'rejection' verification, got 2"),
+        ({"prompt_lookup_min": 0}, "prompt_lookup_min", "an integer >= 1, got 0"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max",
+         "an integer >= 3, got 2"),
     ],
 )
 def test_bad_values_name_the_field_and_the_allowed_range(drafter_dir, overrides, field, allowed):
@@ -134,7 +142,8 @@ def test_draft_load_config_is_refused(drafter_dir):
 
 
 def test_request_overrides(drafter_dir):
-    settings = validate_settings(spec(drafter_dir, beam_width=4, beam_length=4), H, V)  # N = 12
+    settings = validate_settings(spec(drafter_dir, beam_width=4, beam_length=4,
+                                      context_candidates=0), H, V)  # N = 12
     base = request_settings(None, settings)
     assert (base.beam_width, base.beam_length, base.verification) == (4, 4, "exact")
     mine = request_settings({"redrafter_beam_width": 1, "redrafter_beam_length": 13,
@@ -142,6 +151,31 @@ def test_request_overrides(drafter_dir):
     assert (mine.beam_width, mine.beam_length, mine.verification) == (1, 13, "typical")
     assert mine.own_shape and not base.own_shape  # the beam policy leaves a chosen shape alone
     assert not request_settings({"redrafter_verification": "typical"}, settings).own_shape
+
+
+def test_context_candidates_settings_and_overrides(drafter_dir):
+    settings = validate_settings(spec(drafter_dir, beam_width=2, beam_length=4), H, V)
+    assert (settings.context_candidates, settings.lookup_min, settings.lookup_max) == (1, 2, 5)
+    assert settings.num_speculative_tokens == (2 + 1) * 3  # room for the candidates' nodes
+    four = validate_settings(spec(drafter_dir, context_candidates=4, prompt_lookup_min=3), H, V)
+    assert (four.context_candidates, four.lookup_min, four.lookup_max) == (4, 3, 5)
+    out = rewrite_speculative_config(spec(drafter_dir, context_candidates=2, prompt_lookup_max=3))
+    assert not {"context_candidates", "prompt_lookup_min", "prompt_lookup_max"} & out.keys()
+    # rejection verification takes no candidates (no q): 0 by default, refused if asked
+    assert validate_settings(spec(drafter_dir, verification="rejection")).context_candidates == 0
+    base = request_settings(None, settings)
+    assert base.context_candidates == 1 and not base.own_candidates
+    mine = request_settings({"redrafter_context_candidates": 3}, settings)
+    assert mine.context_candidates == 3 and mine.own_candidates and not mine.own_shape
+    assert request_settings({"redrafter_verification": "rejection"},
+                            settings).context_candidates == 0  # the documented rule
+    with pytest.raises(ReDrafterConfigError, match=r"extra_args\['redrafter_context_candidates'\] "
+                                                   r"must be 0 with 'rejection'"):
+        request_settings({"redrafter_verification": "rejection",
+                          "redrafter_context_candidates": 1}, settings)
+    with pytest.raises(ReDrafterConfigError, match=r"\['redrafter_context_candidates'\] must be "
+                                                   r"an integer in \[0, 16\], got 17"):
+        request_settings({"redrafter_context_candidates": 17}, settings)
 
 
 @pytest.mark.parametrize(
@@ -156,7 +190,8 @@ def test_request_overrides(drafter_dir):
     ],
 )
 def test_bad_request_overrides_name_the_key(drafter_dir, extra, key, allowed):
-    settings = validate_settings(spec(drafter_dir, beam_width=4, beam_length=4), H, V)
+    settings = validate_settings(spec(drafter_dir, beam_width=4, beam_length=4,
+                                      context_candidates=0), H, V)
     with pytest.raises(ReDrafterConfigError) as err:
         request_settings(extra, settings)
     assert f"extra_args['{key}']" in str(err.value)

@@ -75,8 +75,25 @@ def prompts(target_dir, mt_bench_questions) -> list[list[int]]:
     ]
 
 
+EVAL_PER_SET = 2  # prompts from each of the project's evaluation sets (vllm_redrafter/eval_sets.py)
+
+
 @pytest.fixture(scope="module")
-def subprocess_runs(target_dir, prompts, tmp_path_factory) -> dict[str, dict]:
+def eval_prompts(target_dir) -> list[list[int]]:
+    """The first EVAL_PER_SET prompts of each evaluation set (translation, summarization, qa,
+    math, rag, code_edit) in the target's chat template: text that copies from its context."""
+    from transformers import AutoTokenizer
+
+    from vllm_redrafter.eval_sets import EVAL_SETS, read_eval_set
+    from vllm_redrafter.reference_loop import chat_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return [chat_prompt_ids(tokenizer, q.first_turn)
+            for kind in EVAL_SETS for q in read_eval_set(kind, EVAL_PER_SET)]
+
+
+@pytest.fixture(scope="module")
+def subprocess_runs(target_dir, prompts, eval_prompts, tmp_path_factory) -> dict[str, dict]:
     """Greedy outputs of vLLM alone (plugin not loaded) and of plain vLLM with the plugin loaded."""
     work = tmp_path_factory.mktemp("vllm_runs")
     results = {}
@@ -91,6 +108,7 @@ def subprocess_runs(target_dir, prompts, tmp_path_factory) -> dict[str, dict]:
                 index, params = mixed_batch(sampled)
                 runs += [{"prompts": [prompts[i] for i in index], "params": params}]
             runs += [{"continue": [0, LONG], "params": GREEDY}]
+            runs += [{"prompts": eval_prompts, "params": GREEDY}]
         env = {} if plugins is None else {"VLLM_PLUGINS": plugins}
         results[name] = generate_in_subprocess({"engine": engine_kwargs(target_dir), "runs": runs},
                                                work / name, env, extras=name == "alone")
@@ -98,7 +116,7 @@ def subprocess_runs(target_dir, prompts, tmp_path_factory) -> dict[str, dict]:
 
 
 # the runs of vLLM alone's subprocess after GREEDY (0), STOPPING (1-3) and SEEDED (4)
-ALONE_RUNS = {"mixed_greedy": 5, "mixed_sampled": 6, "long_continued": 7}
+ALONE_RUNS = {"mixed_greedy": 5, "mixed_sampled": 6, "long_continued": 7, "eval": 8}
 
 
 def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None,
@@ -207,8 +225,15 @@ def alone_seeded(subprocess_runs) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def alone_eval(subprocess_runs) -> list[list[int]]:
+    """vLLM alone, greedy, MAX_TOKENS tokens for each of ``eval_prompts``."""
+    return subprocess_runs["alone"]["outputs"][ALONE_RUNS["eval"]]
+
+
+@pytest.fixture(scope="module")
 def llm(target_dir, drafter_dir, subprocess_runs):
-    """One redrafter engine, in this process. Default beam W=2, L=4; requests override it."""
+    """One redrafter engine, in this process. Default beam W=2, L=4, no context candidates;
+    requests override them."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the engine starts
     from vllm import LLM
 
@@ -216,6 +241,7 @@ def llm(target_dir, drafter_dir, subprocess_runs):
         "method": "redrafter", "model": str(drafter_dir), "beam_width": 2, "beam_length": 4,
         "beam_policy": "fixed",  # the same shapes with or without a step-cost curve cached here
         "num_speculative_tokens": 64,  # room for W = 16, L = 5 trees
+        "context_candidates": 0,  # the tests that want them ask per request (and test that key)
     })
     yield engine
     del engine
@@ -230,6 +256,7 @@ def proposer(llm):
     yield proposer
     proposer.trace, proposer.beam_source, proposer.policy = None, source, policy
     proposer.timings = None
+    proposer.candidate_source = proposer._lookup
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -285,6 +312,15 @@ def model_runner(llm):
     core = llm.llm_engine.engine_core
     assert hasattr(core, "engine_core"), "the engine must run in-process for these tests"
     return core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def candidate_counts(proposer) -> dict[str, int]:
+    names = ("num_candidate_trees", "num_candidate_wins", "num_candidate_tokens")
+    return {name: getattr(proposer, name) for name in names}
+
+
+def candidates(count: int) -> dict:
+    return {"redrafter_context_candidates": count}
 
 
 def verifier_counts(llm) -> dict[str, int]:
@@ -546,8 +582,9 @@ def test_tensor_parallel_workers_match_vllm_alone(llm, target_dir, drafter_dir, 
               "distributed_executor_backend": "mp", "disable_log_stats": False,
               "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
                                      "beam_width": 4, "beam_length": 4, "beam_policy": "fixed"}}
+    # greedy with the default context candidates; sampled without, as the module's engine
     sampled = {"temperature": 0.8, "seed": 7, "max_tokens": 32, "ignore_eos": True,
-               **beam_shape(4, 4)}
+               "extra_args": {**beam_shape(4, 4)["extra_args"], "redrafter_context_candidates": 0}}
     job = {"engine": engine, "metrics": True, "runs": [
         {"prompts": prompts[:n], "params": GREEDY}, {"prompts": prompts[:n], "params": sampled}]}
     out = generate_in_subprocess(job, tmp_path, {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -958,6 +995,121 @@ def test_bf16_engine_drafts_trees_where_the_cache_layout_is_known(target_dir, dr
         assert warned and draft_tokens <= 2 * drafts  # chains of L - 1 = 2
     else:
         assert not warned and draft_tokens > 2 * drafts  # trees
+
+
+# -- context candidates ------------------------------------------------------------------------------
+
+
+def test_context_candidates_keep_greedy_output_and_are_accepted(llm, proposer, prompts, alone,
+                                                               eval_prompts, alone_eval):
+    """Up to 2 context candidates per step join the trees of the drafter's W = 1 and W = 4
+    beams (L = 4): 20 MT-Bench prompts and 2 of each evaluation set, greedy, output identical
+    to vLLM alone; candidates entered trees, and some steps accepted deeper than the drafter's
+    beams reached (the proposer's counters, checked against the trace)."""
+    batch = prompts + eval_prompts
+    expected = alone + alone_eval
+    for W in (1, 4):
+        proposer.trace = []
+        before = candidate_counts(proposer)
+        params = {**GREEDY, "extra_args": {**beam_shape(W, 4)["extra_args"], **candidates(2)}}
+        outputs = generate(llm, batch, [params] * len(batch))
+        got = [list(o.outputs[0].token_ids) for o in outputs]
+        assert got == expected, f"W={W}: {sum(g != e for g, e in zip(got, expected))} differ"
+        counts = {k: v - before[k] for k, v in candidate_counts(proposer).items()}
+        with_candidates = sum(r.candidate_nodes > 0 for r in proposer.trace)
+        print(f"\nW={W}: {with_candidates} of {len(proposer.trace)} steps' trees held candidate "
+              f"nodes; {counts}")
+        assert counts["num_candidate_trees"] > 0 and with_candidates > 0
+        assert counts["num_candidate_wins"] >= 10, counts
+        assert counts["num_candidate_tokens"] >= counts["num_candidate_wins"]
+        assert_drafter_got_the_right_hidden_state(proposer.trace)
+
+
+def test_candidates_one_token_off_are_not_accepted(llm, proposer, eval_prompts, alone_eval):
+    """Negative control: the lookup's continuation taken one token too late (the token after
+    the right one first) is almost never accepted; the output is still vLLM alone's."""
+    from vllm_redrafter.context_candidates import find_candidates
+
+    def shifted(request, count, length):
+        context = [*request.prompt_token_ids, *request.output_token_ids]
+        return [c[1:] for c in find_candidates(context, count, length + 1) if len(c) > 1]
+
+    wins = {}
+    for name, source in (("right", proposer._lookup), ("shifted", shifted)):
+        proposer.candidate_source = source
+        before = candidate_counts(proposer)
+        params = {**GREEDY, "extra_args": {**beam_shape(1, 4)["extra_args"], **candidates(2)}}
+        outputs = generate(llm, eval_prompts, [params] * len(eval_prompts))
+        assert [list(o.outputs[0].token_ids) for o in outputs] == alone_eval, name
+        wins[name] = proposer.num_candidate_wins - before["num_candidate_wins"]
+    print(f"\nsteps a candidate won: {wins}")
+    assert wins["right"] >= 10 and wins["shifted"] <= wins["right"] // 4, wins
+
+
+def test_candidates_alone_without_drafter_beams(llm, proposer, eval_prompts, alone_eval):
+    """A policy that drafts no beams (width 0) while the requests keep their candidates: steps
+    draft the candidates alone; output identical, candidates accepted."""
+    from vllm_redrafter.beam_policy import Choice
+
+    class NoBeams:
+        max_length = 4
+
+        def step(self, observation):
+            return Choice(0, 0, 0.0, 0.0, "test: no drafter beams")
+
+        def describe(self, n):
+            return {}
+
+    proposer.policy = NoBeams()
+    before = candidate_counts(proposer)
+    params = {**GREEDY, "extra_args": candidates(1)}  # its own count: the policy leaves it
+    outputs = generate(llm, eval_prompts, [params] * len(eval_prompts))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == alone_eval
+    counts = {k: v - before[k] for k, v in candidate_counts(proposer).items()}
+    drafted = [r for r in proposer.trace if r.drafts]
+    assert drafted and all(r.candidate_nodes == len(r.drafts) for r in drafted)
+    assert counts["num_candidate_wins"] >= 5, counts
+
+
+def test_beam_policy_chooses_context_candidates_per_request(llm, proposer, eval_prompts,
+                                                            alone_eval, monkeypatch):
+    """The beam policy in the engine with the engine's candidates (2, none of the requests'
+    own): it scores them in the shadow and takes them in some steps; output identical."""
+    import dataclasses
+
+    from vllm_redrafter.beam_policy import BeamPolicy, PolicyConfig
+
+    monkeypatch.setattr(proposer, "settings",
+                        dataclasses.replace(proposer.settings, context_candidates=2))
+    proposer.policy = BeamPolicy(2, 4, PolicyConfig(min_gain=1.0))
+    taken = []
+    step = proposer.policy.step
+
+    def recording(observation):
+        choice = step(observation)
+        taken.extend(choice.candidates)
+        return choice
+
+    proposer.policy.step = recording
+    before = candidate_counts(proposer)
+    outputs = generate(llm, eval_prompts, [GREEDY] * len(eval_prompts))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == alone_eval
+    counts = {k: v - before[k] for k, v in candidate_counts(proposer).items()}
+    print(f"\npolicy: candidates taken in {sum(map(bool, taken))} of {len(taken)} request-steps; "
+          f"{counts}")
+    assert sum(map(bool, taken)) > 0 and counts["num_candidate_trees"] > 0, counts
+
+
+def test_bad_context_candidates_override_fails_that_request_only(llm, prompts):
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match=r"extra_args\['redrafter_context_candidates'\]"):
+        generate(llm, prompts[:1], [{**GREEDY, "extra_args": candidates(-1)}])
+    with pytest.raises(VLLMValidationError, match=r"must be 0 with 'rejection' verification"):
+        generate(llm, prompts[:1], [{**GREEDY, "extra_args": {
+            **candidates(1), "redrafter_verification": "rejection"}}])
+    outputs = generate(llm, prompts[:1], [{**GREEDY, "max_tokens": 4}])
+    assert len(outputs[0].outputs[0].token_ids) == 4
 
 
 # -- configuration errors before any model loads ---------------------------------------------------

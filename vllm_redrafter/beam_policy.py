@@ -14,11 +14,18 @@ neighbour at a time, each measured before the next is allowed; it drafts the bes
 when that beats a plain step by ``min_gain``. The rules in order: :meth:`BeamPolicy._choose`;
 in a page, with a figure: docs/beam_policy.md.
 
+Context candidates (``context_candidates.py``) are chosen per request, apart from the shape: each
+request's candidates are scored in the shadow against what it then emits (:class:`CandidateStats`),
+whether verified or not, and a step takes the k candidates whose measured extra accepted tokens
+beyond the drafter's pay for their tree nodes at the bucket's measured cost per verified token
+(:meth:`BeamPolicy._candidates`; docs/context_candidates.md).
+
 Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -82,6 +89,13 @@ class PolicyConfig:
     prior_weight: float = 2.0
     """Steps' worth of weight a step-cost curve (``vllm-redrafter step-cost``) gives a bucket's
     fit before it is measured: a prior, soon outweighed by the bucket's own steps."""
+    candidate_decay: float = 0.9
+    """Per scored proposal of a request, the weight its older context candidates keep: requests
+    are short (64 tokens are ~40 steps) and change topic, so ~10 proposals make the estimate."""
+    candidate_floor: float = 0.05
+    """Context candidates are taken only where they promise at least this many extra accepted
+    tokens per step: before the cost per verified token is measured, a guard against paying
+    nodes for nothing."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +105,9 @@ class VerifiedTree:
     kind: str  # its KINDS entry (acceptance_kind of its temperature)
     width: int
     length: int
-    packed: int  # tree nodes, root included: tokens the target verified for this request
-    accepted: int  # draft tokens accepted (emitted - 1)
+    packed: int  # the drafter's tree nodes, root included (1 where width is 0: no drafter beams)
+    accepted: int  # draft tokens accepted along the drafter's beams
+    candidate_nodes: int = 0  # nodes only context candidates added: verified too
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,18 @@ class StepObservation:
     kinds: tuple[str, ...] = ()  # KINDS entry of each request that takes the policy's shape now
     others: int = 0  # requests of this step that do not (no drafts, or a shape of their own)
     max_nodes: int = 1 << 30  # the most draft nodes a request may verify this step
+    texts: tuple[RequestText, ...] = ()  # requests whose context candidates the policy chooses
+
+
+@dataclass(frozen=True)
+class RequestText:
+    """A request that may take context candidates this step."""
+
+    req_id: str
+    output: Sequence[int]  # its output tokens so far, g0 (this step's root) last
+    candidates: tuple[tuple[int, ...], ...]  # the lookup's candidates after g0, best first
+    most: int = 1  # the most candidates it may take (found or not)
+    drafter_accepted: int = 0  # drafts it accepted along drafter beams in the step just ended
 
 
 @dataclass(frozen=True)
@@ -118,6 +145,7 @@ class Choice:
     tokens_per_second: float  # expected (0.0: nothing measured yet)
     plain_tokens_per_second: float  # expected of a plain step (0.0: nothing measured yet)
     reason: str  # which rule chose it (BeamPolicy.step), for the step log
+    candidates: tuple[int, ...] = ()  # context candidates to take, per StepObservation.texts
 
 
 class Line:
@@ -235,6 +263,66 @@ class AcceptanceStats:
         return 1.0 + width * (length - 1)
 
 
+class CandidateStats:
+    """One request's context candidates, scored in the shadow.
+
+    The target's output does not depend on the drafts (greedy: the same tokens; exact sampling:
+    the same distribution), so each step's candidates are scored against the tokens the request
+    then emits, verified or not: the first k candidates would have accepted ``m_k`` drafts, m_k
+    their longest common prefix with the output, of which ``max(0, m_k - a)`` beyond the ``a``
+    the drafter's beams accepted that step. A score waits until the output decides it (a prefix
+    as long as the output so far may go on matching). Decayed means per k.
+    """
+
+    def __init__(self, count: int, decay: float) -> None:
+        self.decay = decay
+        self.extra = [0.0] * count  # k - 1 -> decayed sum of extra accepted drafts with k
+        self.weight = 0.0
+        self.pending: list[list] = []  # [call, output position, candidates, drafter accepted]
+
+    def observe(self, call: int, output: Sequence[int], drafter_accepted: int) -> None:
+        """The step proposed at call ``call - 1`` ended with ``drafter_accepted``; score what
+        the output decides."""
+        for entry in self.pending:
+            if entry[3] is None and entry[0] == call - 1:
+                entry[3] = drafter_accepted
+        self.pending = [e for e in self.pending if e[3] is not None
+                        and not self._score(output[e[1]:], e[2], e[3])]
+
+    def propose(self, call: int, position: int, candidates: Sequence[Sequence[int]]) -> None:
+        if candidates and self.extra:
+            self.pending.append([call, position, candidates, None])
+
+    def _score(self, known: Sequence[int], candidates: Sequence[Sequence[int]], a: int) -> bool:
+        matched = []
+        for c in candidates:
+            m = next((i for i, (x, y) in enumerate(zip(c, known)) if x != y), min(len(c), len(known)))
+            if m == len(known) < len(c):
+                return False  # undecided: the output may go on matching
+            matched.append(m)
+        self.weight = self.decay * self.weight + 1
+        best = 0
+        for k in range(len(self.extra)):
+            best = max(best, matched[k]) if k < len(matched) else best
+            self.extra[k] = self.decay * self.extra[k] + max(0, best - a)
+        return True
+
+    def expected_extra(self, k: int) -> float | None:
+        """Extra accepted drafts per step with the first k candidates; None: none scored."""
+        if self.weight <= 0 or k < 1:
+            return None
+        return self.extra[min(k, len(self.extra)) - 1] / self.weight
+
+
+def trie_nodes(candidates: Sequence[Sequence[int]]) -> int:
+    """Tree nodes below the root the candidates make: their distinct prefixes.
+
+    >>> trie_nodes([(1, 2, 3), (1, 2, 4), (5,)])
+    5
+    """
+    return len({tuple(c[: d]) for c in candidates for d in range(1, len(c) + 1)})
+
+
 @dataclass
 class Bucket:
     """What the policy measured at one batch-size bucket (1, 2, 4 = 3-4, 8 = 5-8, ...)."""
@@ -281,17 +369,57 @@ class BeamPolicy:
                            for k in KINDS}
         self.buckets: dict[int, Bucket] = {}
         self._open: _Open | None = None
+        self.texts: dict[str, CandidateStats] = {}  # req_id -> its context candidates' scores
+        self.calls = 0
 
     def step(self, obs: StepObservation) -> Choice:
         """Learn from the step that just ended; the shape for the step that starts."""
+        self.calls += 1
         self._learn(obs)
         choice = self._choose(obs)
+        if obs.texts:
+            choice = dataclasses.replace(choice, candidates=self._candidates(obs, choice))
         self._open = _Open(obs.now, frozenset(obs.request_ids), choice)
         return choice
 
+    def _candidates(self, obs: StepObservation, choice: Choice) -> tuple[int, ...]:
+        """Per request of ``obs.texts``, the k of its candidates with the most measured extra
+        accepted tokens net of their nodes' cost; 0 where none pays.
+
+        A node costs ``min_gain`` x the bucket's measured seconds per verified token (beta) x
+        the step's tokens/s: adding nodes that cost dS seconds and bring dT tokens raises the
+        step's tokens/s T / S only if dT / dS > T / S."""
+        n = len(obs.kinds) + obs.others
+        fit = self._bucket(max(n, 1)).cost.fit()
+        rate = choice.tokens_per_second or choice.plain_tokens_per_second
+        if not rate and fit is not None:
+            rate = n / max(fit[0] + fit[1] * n, 1e-9)
+        price = self.config.min_gain * (fit[1] if fit else 0.0) * rate
+        counts, ids = [], set()
+        for text in obs.texts:
+            ids.add(text.req_id)
+            stats = self.texts.get(text.req_id)
+            if stats is None:
+                stats = self.texts[text.req_id] = CandidateStats(text.most,
+                                                                 self.config.candidate_decay)
+            stats.observe(self.calls, text.output, text.drafter_accepted)
+            best, value = 0, 0.0
+            for k in range(1, len(text.candidates) + 1):
+                extra = stats.expected_extra(k)
+                if extra is None or extra < self.config.candidate_floor:
+                    continue
+                net = extra - price * trie_nodes(text.candidates[:k])
+                if net > value:
+                    best, value = k, net
+            stats.propose(self.calls, len(text.output), text.candidates)
+            counts.append(best)
+        for gone in set(self.texts) - ids:  # finished (or, for now, not drafting) requests
+            del self.texts[gone]
+        return tuple(counts)
+
     def _learn(self, obs: StepObservation) -> None:
-        for kind, stats in self.acceptance.items():
-            stats.observe([t for t in obs.verified if t.kind == kind])
+        for kind, stats in self.acceptance.items():  # the drafter's trees: its own acceptance
+            stats.observe([t for t in obs.verified if t.kind == kind and t.width])
         last, ids, cfg = self._open, set(obs.request_ids), self.config
         if last is None or not last.ids:
             return
@@ -303,13 +431,15 @@ class BeamPolicy:
             b.draft[shape] = _moving_mean(b.draft.get(shape), obs.draft_seconds, cfg.draft_decay,
                                           cfg.clip)
         # Timed: decode steps only (nobody joined, no prefill work), of the shape chosen
-        if not ids or obs.prefilling or not ids <= last.ids or bool(shape[0]) != bool(obs.verified):
+        drafted = any(t.width for t in obs.verified)
+        if not ids or obs.prefilling or not ids <= last.ids or bool(shape[0]) != drafted:
             return
         seconds = obs.now - last.now - obs.draft_seconds
         if shape in b.last:
             seconds = min(max(seconds, b.last[shape] / cfg.clip), b.last[shape] * cfg.clip)
         b.last[shape] = seconds
-        b.cost.add(len(ids) - len(obs.verified) + sum(t.packed for t in obs.verified), seconds)
+        b.cost.add(len(ids) - len(obs.verified)
+                   + sum(t.packed + t.candidate_nodes for t in obs.verified), seconds)
         b.timed.add(shape)
 
     def _choose(self, obs: StepObservation) -> Choice:

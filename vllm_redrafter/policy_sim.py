@@ -26,6 +26,11 @@ Sources (the numbers are copied below, with where they come from):
   forward over T tokens per request at B = 1 ... 32); drafting 1.9 ms per beam step plus 0.1 ms
   per beam row, packing 0.55 ms per request (``benchmarks/results/HISTORY.md``: beam search 3.8
   ms at W = 1 L = 3, pack 0.55 ms).
+- context candidates (``run(..., candidates=...)``): per request, P(a candidate's first d
+  tokens are what the target emits), d = 1, 2, ...: stated per test (a request that copies, one
+  that does not), independent of the drafter's acceptance. A step's tree accepts the deeper of
+  the drafter's beams and the candidate; the candidate's nodes beyond what the drafter accepted
+  are verified too.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm_redrafter.beam_policy import BeamPolicy, StepObservation, VerifiedTree
+from vllm_redrafter.beam_policy import BeamPolicy, RequestText, StepObservation, VerifiedTree
 
 SHIPPED_AT_LEAST = {  # default_drafter_grid20_L4.json, "acceptance_at_least", d = 1, 2, 3
     1: (0.4502, 0.1869, 0.0955),
@@ -161,39 +166,70 @@ class SimStep:
     seconds: float  # the whole step, drafting included
     reason: str  # the policy's rule ("fixed" without a policy)
     plain_expected: float = 0.0  # the policy's expected tokens/s of a plain step
+    candidates: tuple[int, ...] = ()  # context candidates each request took
 
 
 def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int], Machine],
         acceptance: Acceptance, batch: int, steps: int, seed: int = 0, noise: float = 0.0,
-        kind: str = "greedy", tag: str = "r") -> list[SimStep]:
+        kind: str = "greedy", tag: str = "r",
+        candidates: Sequence[Sequence[float]] | None = None) -> list[SimStep]:
     """``steps`` decode steps of ``batch`` requests under ``policy`` (or one fixed shape, (0, 0):
     plain). ``machine``: or a function of the step index (a machine that changes mid-run).
     ``noise``: each step's parts times a uniform factor in [1 - noise, 1 + noise]. ``tag``
-    names the requests: a run with another tag is a new batch (its first step not timed)."""
+    names the requests: a run with another tag is a new batch (its first step not timed).
+    ``candidates``: per request, P(its context candidate's first d tokens are right), d = 1..;
+    each step offers each request one candidate of ``policy.max_length`` - 1 tokens, which the
+    policy takes or not (a fixed shape: always)."""
     rng = random.Random(seed)
     ids = tuple(f"{tag}{i}" for i in range(batch))
     now, verified, draft_seconds, log = 0.0, (), 0.0, []
+    text_rng = random.Random(seed + 1)  # the candidates' draws: rng's sequence stays as without
+    depth = policy.max_length - 1 if isinstance(policy, BeamPolicy) else max(policy[1] - 1, 1)
+    truth = [[text_rng.randrange(1000) for _ in range(steps * (depth + 1) + 1)] for _ in ids] \
+        if candidates is not None else [[0] for _ in ids]  # what each request emits
+    outputs: list[list[int]] = [[t[0]] for t in truth]
+    drafter_accepted = [0] * batch
     for i in range(steps):
+        texts, right = (), [0] * batch
+        if candidates is not None:
+            offered = []
+            for r, ps in enumerate(candidates):
+                u = text_rng.random()  # depth d is right iff P(>= d) beats one draw: nested
+                right[r] = sum(p > u for p in ps[:depth])
+                pos = len(outputs[r])
+                cand = list(truth[r][pos: pos + depth])
+                if right[r] < depth:
+                    cand[right[r]] = 1000 + text_rng.randrange(1000)  # wrong from there on
+                offered.append(RequestText(ids[r], outputs[r], (tuple(cand),), 1,
+                                           drafter_accepted[r]))
+            texts = tuple(offered)
         if isinstance(policy, BeamPolicy):
             choice = policy.step(StepObservation(now, ids, False, verified, draft_seconds,
-                                                 (kind,) * batch, 0, 1 << 30))
+                                                 (kind,) * batch, 0, 1 << 30, texts))
             (width, length), reason = (choice.width, choice.length), choice.reason
-            plain_expected = choice.plain_tokens_per_second
+            plain_expected, took = choice.plain_tokens_per_second, choice.candidates
         else:
             (width, length), reason, plain_expected = policy, "fixed", 0.0
+            took = (1,) * len(texts)
+        took = tuple(took) or (0,) * batch
         m = machine if isinstance(machine, Machine) else machine(i)
         jitter = (lambda: 1 + noise * (2 * rng.random() - 1)) if noise else (lambda: 1.0)
-        if width:
-            draft_seconds = m.draft(batch, width, length) * jitter()
-            packed = packed_nodes(width, length)
-            accepted = [acceptance.accepted(rng, width, length) for _ in ids]
-            verified = tuple(VerifiedTree(kind, width, length, round(packed), a) for a in accepted)
-            n = batch * packed
-        else:
-            draft_seconds, verified, accepted, n = 0.0, (), [0] * batch, batch
+        packed = packed_nodes(width, length) if width else 1.0
+        draft_seconds = m.draft(batch, width, length) * jitter() if width else 0.0
+        drafter = [acceptance.accepted(rng, width, length) if width else 0 for _ in ids]
+        accepted = [max(a, right[r] if took[r] else 0) for r, a in enumerate(drafter)]
+        extra = [depth - min(drafter[r], right[r]) if took[r] else 0 for r in range(batch)]
+        verified = tuple(VerifiedTree(kind, width, length, round(packed), drafter[r], extra[r])
+                         for r in range(batch) if width or took[r])
+        n = sum(packed + extra[r] if width or took[r] else 1 for r in range(batch))
+        if candidates is not None:
+            for r, a in enumerate(accepted):
+                outputs[r].extend(truth[r][len(outputs[r]): len(outputs[r]) + a + 1])
+        drafter_accepted = drafter
         seconds = draft_seconds + m.verify(batch, n) * jitter()
         now += seconds
-        log.append(SimStep(width, length, batch + sum(accepted), seconds, reason, plain_expected))
+        log.append(SimStep(width, length, batch + sum(accepted), seconds, reason, plain_expected,
+                           took))
     return log
 
 

@@ -17,7 +17,9 @@ Proposers are callables ``propose(h [H], g0: int, generated: list[int]) -> beams
 :class:`DrafterProposer` runs the real drafter's beam search; :class:`TeacherForcedProposer` is a
 test stand-in that knows the target's continuation and hides it on one random beam, cut at a
 random depth, so that acceptance, the tree mask, the positions and the path selection are all
-exercised (a random drafter accepts nothing).
+exercised (a random drafter accepts nothing). :class:`ContextCandidatesProposer` adds context
+candidates (prompt lookup, ``context_candidates.py``) to another proposer's beams, or proposes
+them alone.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from vllm_redrafter.beam_search import beam_search
+from vllm_redrafter.context_candidates import find_candidates, merge_candidates
 from vllm_redrafter.tree import DynamicTree, build_tree
 from vllm_redrafter.verify import verify_greedy
 
@@ -67,6 +71,31 @@ class DrafterProposer:
         g0_t = torch.tensor([g0], device=h.device)
         out = beam_search(self.drafter, h[None], g0_t, self.beam_width, self.beam_length)
         return out.beams
+
+
+class ContextCandidatesProposer:
+    """``inner``'s W beams (None: none) followed by up to ``count`` context candidates of
+    ``length - 1`` tokens found in ``prompt_ids`` + the generated tokens (one prompt's proposer).
+    Rows shorter than the beams end in ``PAD``; ``rows[i]`` is the drafter's beam count at step i
+    (a step's accepted path came from a candidate when ``StepRecord.winning_beam`` >= it)."""
+
+    def __init__(self, inner: Proposer | None, prompt_ids: list[int], count: int, length: int,
+                 min_n: int = 2, max_n: int = 5) -> None:
+        self.inner, self.prompt = inner, list(prompt_ids)
+        self.count, self.length, self.min_n, self.max_n = count, length, min_n, max_n
+        self.rows: list[int] = []
+
+    def __call__(self, h: Tensor, g0: int, generated: list[int]) -> Tensor:
+        beams = self.inner(h, g0, generated) if self.inner is not None else None
+        found = self.find(np.asarray(self.prompt + generated))
+        width, length = (0, 1) if beams is None else (beams.shape[1], beams.shape[2])
+        merged, _ = merge_candidates(beams, [width], [length], [g0], [found])
+        self.rows.append(width)
+        return merged.to(h.device)
+
+    def find(self, context: np.ndarray) -> list[tuple[int, ...]]:
+        """The candidates after ``context`` (prompt + generated, g0 last)."""
+        return find_candidates(context, self.count, self.length - 1, self.min_n, self.max_n)
 
 
 def teacher_forced_beams(reference: list[int], num_generated: int, g0: int, beam_width: int,

@@ -68,7 +68,9 @@ tensor([1.7143])
 12 candidate tokens are verified as 7 packed ones (12 / 7 = 1.71).
 
 Per-request widths and lengths: beams are padded to the batch's largest W and L, and tokens with
-i >= W_b or j >= L_b are padding: never packed, ``unpack_index`` -1. Packed tensors are padded to
+i >= W_b or j >= L_b are padding: never packed, ``unpack_index`` -1. So is a negative token
+(``context_candidates.PAD``): a row may end early (a context candidate shorter than the beams),
+provided nothing but padding follows it in that row. Packed tensors are padded to
 P = the batch's largest packed count (tokens 0, depth 0, parent -1, mask False).
 
 Host syncs: none, except one per ``build_tree`` / ``truncate_tree`` call to read P (packed tensors
@@ -103,7 +105,7 @@ class DynamicTree:
     num_packed: Tensor  # [B] long
     unpack_index: Tensor  # [B, W, L] long: packed index of candidate token (i, j); -1 on padding / cut
     attention_mask: Tensor  # [B, P, P] bool: q is p or an ancestor of p (False on padding rows/cols)
-    valid: Tensor | None = None  # [B, W, L] bool: not padding (i < W_b, j < L_b); None = all valid
+    valid: Tensor | None = None  # [B, W, L] bool: not padding (i < W_b, j < L_b, token >= 0); None = all
 
     def compression_ratio(self) -> Tensor:
         """[B] float: candidate tokens over packed tokens, (W_b * L_b) / num_packed.
@@ -170,6 +172,7 @@ def build_tree(
     w_b = _per_request(beam_width, "beam_width", batch, width, device)  # [B]
     l_b = _per_request(beam_length, "beam_length", batch, length, device)  # [B]
     valid = (beam_idx[:, None] < w_b[:, None, None]) & (depth_idx < l_b[:, None, None])  # [B, W, L]
+    valid = valid & (beams >= 0)  # a negative token: the row ended (a short context candidate)
 
     prefix_tree = _prefix_tree(beams)  # [B, W, L]
     is_new = (prefix_tree == beam_idx[:, None]) & valid  # [B, W, L]

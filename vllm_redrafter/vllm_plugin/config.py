@@ -4,7 +4,8 @@ A user writes one JSON object (docs/design.md, The speculative config)::
 
     {"method": "redrafter", "model": "DRAFTER_DIR",
      "beam_width": 8, "beam_length": 4, "verification": "exact", "beam_policy": "auto",
-     "num_speculative_tokens": 24, "step_cost": "CURVE.json", "min_gain": 1.05}
+     "num_speculative_tokens": 24, "step_cost": "CURVE.json", "min_gain": 1.05,
+     "context_candidates": 1, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 vLLM 0.32.0 knows neither the method nor the extra keys, so :func:`rewrite_speculative_config`
 turns the object into one vLLM accepts: ``method: "custom_class"`` with ``model`` naming our
@@ -13,7 +14,7 @@ proposer class, and :class:`ReDrafterSettings` riding along inside a free dict o
 the ``VllmConfig`` into the engine-core and worker processes. Every other key (``enforce_eager``,
 ``max_model_len``, ...) is left for vLLM to validate.
 
-A request may override the beam shape and verification mode for itself through
+A request may override the beam shape, verification mode and context candidates for itself through
 ``SamplingParams.extra_args`` (OpenAI API: ``vllm_xargs``), with the keys of
 :data:`REQUEST_KEYS`; :func:`request_settings` validates them like the engine settings.
 
@@ -47,6 +48,12 @@ VERIFICATION_MODES = ("exact", "rejection", "typical")
 BEAM_POLICIES = ("auto", "fixed")
 DEFAULT_BEAM_WIDTH = 4
 DEFAULT_BEAM_LENGTH = 4
+DEFAULT_CONTEXT_CANDIDATES = 1
+"""Context candidates (prompt lookup) per request and step, at most: docs/context_candidates.md
+gives the measurement behind 1."""
+MAX_CONTEXT_CANDIDATES = 16
+DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX = 2, 5
+"""The n-gram lengths a context candidate's match may have (vLLM's ngram defaults to 5, 5)."""
 MAX_SPECULATIVE_TOKENS = 128
 """vLLM's rejection sampler refuses more draft tokens per request (``MAX_SPEC_LEN``)."""
 
@@ -54,6 +61,7 @@ REQUEST_KEYS = {
     "redrafter_beam_width": "beam_width",
     "redrafter_beam_length": "beam_length",
     "redrafter_verification": "verification",
+    "redrafter_context_candidates": "context_candidates",
 }
 """``SamplingParams.extra_args`` key -> the setting it overrides for that request."""
 
@@ -74,6 +82,9 @@ class ReDrafterSettings:
     beam_policy: str = "auto"  # auto: per-step shape up to (W, L) (beam_policy.py) | fixed
     step_cost: str | None = None  # the policy's step-cost curve (None: this machine's cached one)
     min_gain: float = DEFAULT_MIN_GAIN  # the policy drafts where it expects this x a plain step
+    context_candidates: int = 0  # most context candidates per request and step (0: none)
+    lookup_min: int = DEFAULT_LOOKUP_MIN  # n-gram lengths of a candidate's match
+    lookup_max: int = DEFAULT_LOOKUP_MAX
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -91,6 +102,8 @@ class RequestSettings:
     beam_length: int
     verification: str
     own_shape: bool = False  # the request chose W or L itself: the beam policy leaves it alone
+    context_candidates: int = 0  # most context candidates (0 under rejection: they have no q)
+    own_candidates: bool = False  # the request chose its count itself: the policy leaves it
 
 
 # -- engine settings -----------------------------------------------------------------------------
@@ -104,20 +117,29 @@ def validate_settings(
     """The ReDrafter part of a ``speculative_config`` dict -> settings, or one clear error.
 
     Reads ``model`` (the drafter dir), ``beam_width``, ``beam_length``, ``verification``,
-    ``beam_policy``, ``step_cost``, ``min_gain`` and ``num_speculative_tokens``; other keys are
+    ``beam_policy``, ``step_cost``, ``min_gain``, ``num_speculative_tokens``,
+    ``context_candidates``, ``prompt_lookup_min`` and ``prompt_lookup_max``; other keys are
     ignored here. The drafter's ``config.json`` is checked against the target's dims when they are
-    given (no weights read).
+    given (no weights read). Context candidates have no draft distribution, so ``rejection``
+    verification takes none: 0 by default there, and an explicit count > 0 is refused.
     """
     W = _int_field("beam_width", raw.get("beam_width", DEFAULT_BEAM_WIDTH), low=1)
     L = _int_field("beam_length", raw.get("beam_length", DEFAULT_BEAM_LENGTH), low=2)
-    N = raw.get("num_speculative_tokens")
-    if N is None:  # the whole beam set, as far as vLLM's sampler allows
-        N = min(W * (L - 1), MAX_SPECULATIVE_TOKENS)
-    N = _int_field("num_speculative_tokens", N, low=1, high=MAX_SPECULATIVE_TOKENS)
-    _check_length_fits(L, N, where="speculative_config")
     verification = _choice_field(
         "verification", raw.get("verification", "exact"), VERIFICATION_MODES
     )
+    C = _candidate_count(raw.get("context_candidates"), verification, "context_candidates",
+                         "speculative_config", default=DEFAULT_CONTEXT_CANDIDATES)
+    lookup_min = _int_field("prompt_lookup_min", raw.get("prompt_lookup_min", DEFAULT_LOOKUP_MIN),
+                            low=1)
+    lookup_max = _int_field("prompt_lookup_max",
+                            raw.get("prompt_lookup_max", max(lookup_min, DEFAULT_LOOKUP_MAX)),
+                            low=lookup_min)
+    N = raw.get("num_speculative_tokens")
+    if N is None:  # the whole beam set and the candidates, as far as vLLM's sampler allows
+        N = min((W + C) * (L - 1), MAX_SPECULATIVE_TOKENS)
+    N = _int_field("num_speculative_tokens", N, low=1, high=MAX_SPECULATIVE_TOKENS)
+    _check_length_fits(L, N, where="speculative_config")
     policy = _choice_field("beam_policy", raw.get("beam_policy", "auto"), BEAM_POLICIES)
     drafter_dir = _drafter_dir(raw.get("model"))
     check_drafter_fits_target(drafter_dir, target_hidden_size, target_vocab_size)
@@ -129,7 +151,8 @@ def validate_settings(
                 f"(`vllm-redrafter step-cost` writes one), got {step_cost!r}: no such file")
         step_cost = str(Path(str(step_cost)).resolve())
     min_gain = _float_field("min_gain", raw.get("min_gain", DEFAULT_MIN_GAIN), low=1.0, high=10.0)
-    return ReDrafterSettings(str(drafter_dir), W, L, N, verification, policy, step_cost, min_gain)
+    return ReDrafterSettings(str(drafter_dir), W, L, N, verification, policy, step_cost, min_gain,
+                             C, lookup_min, lookup_max)
 
 
 def rewrite_speculative_config(
@@ -148,7 +171,8 @@ def rewrite_speculative_config(
     """
     settings = validate_settings(raw, target_hidden_size, target_vocab_size)
     ours = {"method", "model", "beam_width", "beam_length", "verification", "beam_policy",
-            "step_cost", "min_gain"}
+            "step_cost", "min_gain", "context_candidates", "prompt_lookup_min",
+            "prompt_lookup_max"}
     out = {key: value for key, value in raw.items() if key not in ours}
     if "draft_load_config" in out:
         raise ReDrafterConfigError(
@@ -206,11 +230,14 @@ def request_settings(
 
     Raises :class:`ReDrafterConfigError` naming the ``extra_args`` key for a bad value; the
     engine's ``num_speculative_tokens`` bounds the beam length (a chain of L-1 drafts must fit).
+    A request verified by ``rejection`` takes no context candidates (they have no draft
+    distribution): the engine's count becomes 0, and its own count > 0 is refused.
     """
     values = {
         "beam_width": settings.beam_width,
         "beam_length": settings.beam_length,
         "verification": settings.verification,
+        "context_candidates": None,
     }
     for key, field in REQUEST_KEYS.items():
         if extra_args and key in extra_args:
@@ -224,7 +251,9 @@ def request_settings(
     )
     own = bool(extra_args) and any(k in extra_args for k in ("redrafter_beam_width",
                                                               "redrafter_beam_length"))
-    return RequestSettings(W, L, mode, own)
+    C = _candidate_count(values["context_candidates"], mode, "redrafter_context_candidates", where,
+                         default=settings.context_candidates)
+    return RequestSettings(W, L, mode, own, C, values["context_candidates"] is not None)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -257,6 +286,18 @@ def _choice_field(
             f"{where}['{name}'] must be one of {', '.join(map(repr, choices))}, got {value!r}"
         )
     return value
+
+
+def _candidate_count(value: Any, verification: str, name: str, where: str, default: int) -> int:
+    """A context-candidate count; None: ``default``, or 0 under ``rejection`` verification."""
+    if value is None:
+        return 0 if verification == "rejection" else default
+    count = _int_field(name, value, low=0, high=MAX_CONTEXT_CANDIDATES, where=where)
+    if count and verification == "rejection":
+        raise ReDrafterConfigError(
+            f"{where}['{name}'] must be 0 with 'rejection' verification, got {count}: context "
+            "candidates have no draft distribution q for the p/q test (use 'exact' or 'typical')")
+    return count
 
 
 def _check_length_fits(L: int, N: int, *, where: str, key: str = "beam_length") -> None:

@@ -16,10 +16,20 @@ expected tokens/s for it and for a plain step, the rule that chose it, what it k
 batch size: ``BeamPolicy.describe``): ``benchmarks/step_log.py``
 turns it into realized tokens/s per batch size and shape, beside what the policy expected.
 
+Context candidates (``context_candidates.py``): up to ``context_candidates`` continuations found
+by prompt lookup in each request's prompt + output join its tree after the drafter's beams (rows
+starting with g0, shorter ones padded); the tree's dedup merges them with the beams. The beam
+policy chooses per request how many a step takes (none, where they do not pay), and whether the
+drafter drafts at all, so a step drafts the beams, the candidates, both, or nothing. Requests
+verified by ``rejection`` take none (no draft distribution q). Counters:
+``num_candidate_trees`` (trees with nodes only candidates added), ``num_candidate_wins`` (steps
+that accepted deeper than the drafter's beams reached), ``num_candidate_tokens`` (those extra
+accepted tokens).
+
 A request whose features assume a chain (penalties, bad words, logit bias, allowed tokens,
 min_tokens still pending, structured output, logprobs) gets no drafts: vLLM samples it as without
-speculation (:func:`tree_eligible`). A step where the drafter raises or produces non-finite
-scores proposes nothing for the requests concerned: no request fails.
+speculation (:func:`tree_eligible`). A step where the drafter or the lookup raises, or the drafter
+produces non-finite scores, proposes nothing for the requests concerned: no request fails.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from vllm_redrafter.beam_policy import (
     BeamPolicy,
     Choice,
     PolicyConfig,
+    RequestText,
     StepObservation,
     VerifiedTree,
     acceptance_kind,
@@ -48,6 +59,7 @@ from vllm_redrafter.beam_policy import (
 )
 from vllm_redrafter import envs
 from vllm_redrafter.beam_search import BeamSearchOutput, beam_search
+from vllm_redrafter.context_candidates import ContextIndex, find_candidates, merge_candidates
 from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.drafter import RecurrentDrafter
 from vllm_redrafter.vllm_plugin.config import (
@@ -87,14 +99,22 @@ class DraftRecord:
     target_argmax: int  # argmax of the target's LM head applied to the h the drafter received
     drafts: tuple[int, ...]  # the packed tree after its root (empty: nothing proposed)
     parents: tuple[int, ...] = ()  # packed parent of each node, root first (-1, ...)
+    candidate_nodes: int = 0  # nodes only context candidates added
+
+
+class CandidateSource(Protocol):
+    """What finds a request's context candidates; the prompt lookup unless a test swaps it."""
+
+    def __call__(self, request: Any, count: int, length: int) -> list[tuple[int, ...]]: ...
 
 
 class ReDrafterProposer:
     """vLLM ``custom_class`` proposer running the recurrent drafter's beam search.
 
     Debug hooks (reachable when the engine runs in-process, e.g. in tests):
-    ``trace`` (set it to a list to record a :class:`DraftRecord` per request per step) and
-    ``beam_source`` (replace the drafter's beam search, e.g. by a teacher-forced stand-in).
+    ``trace`` (set it to a list to record a :class:`DraftRecord` per request per step),
+    ``beam_source`` (replace the drafter's beam search, e.g. by a teacher-forced stand-in) and
+    ``candidate_source`` (replace the context lookup).
     """
 
     def __init__(self, vllm_config: Any) -> None:
@@ -123,6 +143,11 @@ class ReDrafterProposer:
         self.draft_seconds = 0.0  # drafting time of this step, for the policy's next observation
         self.shapes: dict[str, tuple[int, int]] = {}  # req_id -> (W, L) of its tree this step
         self.step_log = envs.step_log_path()  # debug (module doc)
+        self.candidate_source: CandidateSource = self._lookup
+        self.contexts: dict[str, ContextIndex] = {}  # req_id -> its prompt + output, for lookups
+        self.num_candidate_trees = 0  # trees with nodes only context candidates added
+        self.num_candidate_wins = 0  # verified trees that accepted deeper than the drafter's part
+        self.num_candidate_tokens = 0  # the drafts accepted beyond the drafter's part
 
     # -- vLLM's proposer interface -------------------------------------------------------------
 
@@ -196,18 +221,20 @@ class ReDrafterProposer:
         """
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         now = time.perf_counter()
+        verified, drafter_accepted = self._observe_verified(sampled_token_ids, requests)
         observed = None
         if self.policy is not None:  # what the step that just ended showed (its trees verified)
             observed = StepObservation(now, tuple(r.req_id for r in requests),
-                                       not all(sampled_token_ids),
-                                       self._observe_verified(sampled_token_ids, requests),
-                                       self.draft_seconds)
+                                       not all(sampled_token_ids), verified, self.draft_seconds)
         self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
         active = [i for i, tokens in enumerate(sampled_token_ids)
                   if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
+        found = self._find_candidates([requests[i] for i in active])
         shapes = self._shapes([requests[i] for i in active], cap,
-                              others=len(sampled_token_ids) - len(active), observed=observed)
+                              others=len(sampled_token_ids) - len(active), observed=observed,
+                              found=found, drafter_accepted=drafter_accepted)
+        found = [f[: s.context_candidates] for f, s in zip(found, shapes) if s is not None]
         active = [i for i, s in zip(active, shapes) if s is not None]
         shapes = [s for s in shapes if s is not None]
         if active:
@@ -216,7 +243,7 @@ class ReDrafterProposer:
             start = time.perf_counter()
             try:
                 trees = self._trees(hidden_states[index], g0, shapes,
-                                    [requests[i] for i in active], cap)
+                                    [requests[i] for i in active], cap, found)
             except Exception:  # a failing drafter costs this step's drafts, never a request
                 self._note_failure("raised", exc_info=True)
                 trees = [None] * len(active)
@@ -226,6 +253,8 @@ class ReDrafterProposer:
                     drafts[i] = tree.drafts
                     self.trees[requests[i].req_id] = tree
                     self.shapes[requests[i].req_id] = (shape.beam_width, shape.beam_length)
+        self.contexts = {r.req_id: self.contexts[r.req_id] for r in requests
+                         if r.req_id in self.contexts}  # finished requests' contexts go
         if self.trace is not None:
             self._record(sampled_token_ids, hidden_states, requests, drafts)
         if self.step_log is not None:
@@ -233,42 +262,105 @@ class ReDrafterProposer:
         return drafts
 
     def _shapes(self, requests: Sequence[Any], cap: int, others: int = 0,
-                observed: StepObservation | None = None) -> list[RequestSettings | None]:
-        """Each request's beam shape this step (None: no drafts).
+                observed: StepObservation | None = None,
+                found: Sequence[Sequence[tuple[int, ...]]] | None = None,
+                drafter_accepted: dict[str, int] | None = None) -> list[RequestSettings | None]:
+        """Each request's beam shape this step (None: no drafts; ``beam_width`` 0: no drafter
+        beams) and its count of context candidates (``context_candidates``).
 
-        A request's own W / L (``extra_args``) are kept; the others take the beam policy's
-        choice for this batch when the policy is on (``observed``: the step that just ended,
-        given to it once per step), else the engine's. Beams never go deeper than the tokens a
-        request may still emit; without tree attention they are chains.
+        A request's own W / L / candidate count (``extra_args``) are kept; the others take the
+        beam policy's choice when the policy is on (``observed``: the step that just ended, given
+        to it once per step; ``found``: each request's candidates, ``drafter_accepted``: what its
+        drafter beams accepted last step), else the engine's. Beams never go deeper than the
+        tokens a request may still emit; without tree attention they are chains (a request's
+        candidates then only where the drafter drafts nothing, one).
         """
         shapes = [self._request_settings(r) for r in requests]
+        found = found if found is not None else [[] for _ in requests]
         if self.policy is not None and observed is not None:
             kinds = tuple(_kind(r) for r, s in zip(requests, shapes) if not s.own_shape)
+            chosen = [i for i, s in enumerate(shapes)
+                      if s.context_candidates and not s.own_candidates]
+            texts = tuple(RequestText(requests[i].req_id, requests[i].output_token_ids,
+                                      tuple(found[i]), shapes[i].context_candidates,
+                                      (drafter_accepted or {}).get(requests[i].req_id, 0))
+                          for i in chosen)
             self.choice = choice = self.policy.step(dataclasses.replace(
-                observed, kinds=kinds, others=others + len(requests) - len(kinds), max_nodes=cap))
-            shapes = [s if s.own_shape else
-                      None if choice.width == 0 else
-                      dataclasses.replace(s, beam_width=choice.width, beam_length=choice.length)
-                      for s in shapes]
-        return [None if s is None else dataclasses.replace(
-                    s, beam_width=s.beam_width if self.allow_trees else 1,
-                    beam_length=min(s.beam_length, _tokens_left(r)))
-                for s, r in zip(shapes, requests)]
+                observed, kinds=kinds, others=others + len(requests) - len(kinds), max_nodes=cap,
+                texts=texts))
+            counts = dict(zip(chosen, choice.candidates))
+            shapes = [dataclasses.replace(
+                          s, context_candidates=counts.get(i, s.context_candidates),
+                          **({} if s.own_shape else
+                             {"beam_width": choice.width, "beam_length": choice.length or 2}))
+                      for i, s in enumerate(shapes)]
+        out: list[RequestSettings | None] = []
+        for s, r, f in zip(shapes, requests, found):
+            width, count = s.beam_width, min(s.context_candidates, len(f))
+            if not self.allow_trees:
+                width, count = min(width, 1), (min(count, 1) if width == 0 else 0)
+            out.append(None if width == 0 and count == 0 else dataclasses.replace(
+                s, beam_width=width, beam_length=min(s.beam_length, _tokens_left(r)),
+                context_candidates=count))
+        return out
 
-    def _observe_verified(self, sampled_token_ids: list[list[int]],
-                          requests: Sequence[Any]) -> tuple[VerifiedTree, ...]:
-        """For the policy: last step's trees, each with what got accepted (emitted - the bonus)."""
-        return tuple(
-            VerifiedTree(_kind(request), *shape, len(self.trees[request.req_id].tokens),
-                         len(tokens) - 1)
-            for tokens, request in zip(sampled_token_ids, requests)
-            if tokens and (shape := self.shapes.get(request.req_id)) is not None)
+    def _find_candidates(self, requests: Sequence[Any]) -> list[list[tuple[int, ...]]]:
+        """Each request's context candidates, up to its most and as long as its beams may be; a
+        failing lookup costs that request's candidates, never the request."""
+        found = []
+        for r in requests:
+            s = self._request_settings(r)
+            length = min(s.beam_length, _tokens_left(r)) - 1
+            try:
+                found.append(list(self.candidate_source(r, s.context_candidates, length))
+                             if s.context_candidates and length > 0 else [])
+            except Exception:
+                self._note_failure("context lookup raised", exc_info=True)
+                found.append([])
+        return found
+
+    def _lookup(self, request: Any, count: int, length: int) -> list[tuple[int, ...]]:
+        """Prompt lookup in the request's prompt + output (``context_candidates.py``)."""
+        prompt = getattr(request, "prompt_token_ids", None)
+        if prompt is None:  # a prompt given as embeddings: no tokens to look up
+            return []
+        index = self.contexts.get(request.req_id)
+        if index is None:
+            index = self.contexts[request.req_id] = ContextIndex(prompt)
+        context = index.update(request.output_token_ids)
+        return find_candidates(context, count, length, self.settings.lookup_min,
+                               self.settings.lookup_max)
+
+    def _observe_verified(self, sampled_token_ids: list[list[int]], requests: Sequence[Any]
+                          ) -> tuple[tuple[VerifiedTree, ...], dict[str, int]]:
+        """Last step's trees, each with what got accepted (emitted - the bonus) along the
+        drafter's beams and the nodes candidates added (for the policy); per request, the drafts
+        accepted along drafter beams. Counts what candidates added (class counters)."""
+        verified, drafter_accepted = [], {}
+        for tokens, request in zip(sampled_token_ids, requests):
+            shape = self.shapes.get(request.req_id)
+            if not tokens or shape is None:
+                continue
+            tree = self.trees[request.req_id]
+            drafter_nodes = sum(tree.from_drafter) if tree.from_drafter else len(tree.tokens)
+            path = tree.accepted_path(tokens[:-1])
+            depth = tree.drafter_depth(path)
+            drafter_accepted[request.req_id] = depth
+            extra = len(tree.tokens) - drafter_nodes
+            self.num_candidate_trees += extra > 0
+            self.num_candidate_wins += len(path) - 1 > depth
+            self.num_candidate_tokens += len(path) - 1 - depth
+            verified.append(VerifiedTree(_kind(request), *shape, drafter_nodes, depth, extra))
+        return tuple(verified), drafter_accepted
 
     def _trees(
         self, h: Tensor, last_tokens: list[int], shapes: list[RequestSettings],
-        requests: Sequence[Any], cap: int,
+        requests: Sequence[Any], cap: int, found: Sequence[Sequence[tuple[int, ...]]] | None = None,
     ) -> list[RequestTree | None]:
-        """Beam search for B requests (h [B, H]), packed into trees of at most cap + 1 nodes."""
+        """Beam search for the B requests (h [B, H]) whose width is not 0, their beams and the
+        context candidates in ``found`` packed into trees of at most cap + 1 nodes."""
+        if found is not None and any(found):
+            return self._merged_trees(h, last_tokens, shapes, requests, cap, found)
         device = h.device
         g0 = torch.tensor(last_tokens, device=device, dtype=torch.long)  # [B]
         widths = [s.beam_width for s in shapes]
@@ -301,13 +393,73 @@ class ReDrafterProposer:
                                      tuple(depth[b][:n]), shape.verification, extra))
         return trees
 
+    def _merged_trees(
+        self, h: Tensor, last_tokens: list[int], shapes: list[RequestSettings],
+        requests: Sequence[Any], cap: int, found: Sequence[Sequence[tuple[int, ...]]],
+    ) -> list[RequestTree | None]:
+        """:meth:`_trees` where some request takes context candidates: the drafter's beams (for
+        the requests with a width) and the candidates as one beam tensor (``merge_candidates``),
+        packed together; a node is the drafter's where a drafter row carries it."""
+        device = h.device
+        drafting = [b for b, s in enumerate(shapes) if s.beam_width]
+        widths = [s.beam_width for s in shapes]
+        lengths = [s.beam_length for s in shapes]
+        out, ok = None, [True] * len(shapes)
+        if drafting:
+            sub = torch.tensor(drafting, device=device)
+            g0 = torch.tensor([last_tokens[b] for b in drafting], device=device, dtype=torch.long)
+            with timed(self.timings, "draft", device):
+                out = self.beam_source(h[sub], g0, _int_or_tensor([widths[b] for b in drafting], device),
+                                       _int_or_tensor([lengths[b] for b in drafting], device),
+                                       [requests[b] for b in drafting])
+        with timed(self.timings, "pack", device):
+            beams = None
+            if out is not None:
+                W_max = max(widths[b] for b in drafting)
+                real = torch.arange(W_max, device=device) < torch.tensor(
+                    [widths[b] for b in drafting], device=device)[:, None]
+                finite = (out.scores[:, :W_max].isfinite() | ~real).all(dim=1).tolist()
+                for j, b in enumerate(drafting):
+                    ok[b] = finite[j]
+                beams = torch.zeros((len(shapes), *out.beams.shape[1:]), dtype=torch.long)
+                beams[drafting] = out.beams.cpu()
+            merged, rows = merge_candidates(beams, widths, lengths, last_tokens, found)
+            tree = truncate_tree(build_tree(merged.to(device), torch.tensor(rows, device=device)),
+                                 cap + 1)
+            tokens, parent, depth, num, unpack = (
+                tree.tokens.tolist(), tree.parent.tolist(), tree.depth.tolist(),
+                tree.num_packed.tolist(), tree.unpack_index.tolist())
+        vocab = self.model_config.get_vocab_size()
+        trees: list[RequestTree | None] = []
+        for b, shape in enumerate(shapes):
+            n = num[b]
+            if not ok[b] or not all(0 <= t < vocab for t in tokens[b][:n]):
+                self._note_failure("produced non-finite scores or out-of-vocabulary tokens")
+                trees.append(None)
+                continue
+            mine = {0} | {j for row in unpack[b][: widths[b]] for j in row if 0 <= j < n}
+            extra = None
+            if shape.verification == "rejection" and out is not None:
+                j = drafting.index(b)
+                extra = self._rejection_extra(
+                    build_tree(out.beams[j: j + 1], torch.tensor([widths[b]], device=device),
+                               torch.tensor([lengths[b]], device=device)),
+                    out, j, out.beams.shape[1], out.beams.shape[2], one_request=True)
+            trees.append(RequestTree(tuple(tokens[b][:n]), tuple(parent[b][:n]),
+                                     tuple(depth[b][:n]), shape.verification, extra,
+                                     tuple(j in mine for j in range(n))))
+        return trees
+
     @staticmethod
-    def _rejection_extra(tree, out: BeamSearchOutput, b: int, width: int, length: int):
-        """What p/q rejection needs besides the shape: request b's beams and their q."""
+    def _rejection_extra(tree, out: BeamSearchOutput, b: int, width: int, length: int,
+                         one_request: bool = False):
+        """What p/q rejection needs besides the shape: request b's beams and their q (``tree``:
+        the batch's, or request b's alone with ``one_request``)."""
         if out.log_probs is None:
             return None  # the beam source gave no q: the request is verified exactly
-        one = type(tree)(**{f: (getattr(tree, f)[b: b + 1] if getattr(tree, f) is not None else None)
-                            for f in tree.__dataclass_fields__})
+        one = tree if one_request else type(tree)(**{
+            f: (getattr(tree, f)[b: b + 1] if getattr(tree, f) is not None else None)
+            for f in tree.__dataclass_fields__})
         return one, out.log_probs[b: b + 1, :width, : length - 1]
 
     def _drafter_beam_search(
@@ -341,7 +493,10 @@ class ReDrafterProposer:
         record: dict[str, Any] = {"t": now, "ids": [r.req_id for r in requests],
                                   "emitted": [len(t) for t in sampled_token_ids],
                                   "drafted": sum(bool(d) for d in drafts),
-                                  "nodes": sum(len(d) for d in drafts)}
+                                  "nodes": sum(len(d) for d in drafts),
+                                  "candidate_nodes": sum(len(t.tokens) - sum(t.from_drafter)
+                                                         for t in self.trees.values()
+                                                         if t.from_drafter)}
         if self.policy is not None and self.choice is not None:
             choice = self.choice
             record.update(shape=[choice.width, choice.length], reason=choice.reason,
@@ -370,6 +525,8 @@ class ReDrafterProposer:
                 target_argmax=top,
                 drafts=tuple(drafts[i]),
                 parents=self.trees[requests[i].req_id].parent if drafts[i] else (),
+                candidate_nodes=(sum(not f for f in self.trees[requests[i].req_id].from_drafter)
+                                 if drafts[i] else 0),
             ))
 
 

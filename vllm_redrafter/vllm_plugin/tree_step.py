@@ -36,6 +36,8 @@ class RequestTree:
     depth: tuple[int, ...]  # [P] depth below the root
     mode: str = "exact"  # verification mode of the request
     extra: object = None  # what a verification mode needs besides the tree (rejection: beams, q)
+    from_drafter: tuple[bool, ...] = ()  # [P] node on a drafter beam (else only on a context
+    # candidate); () = every node is the drafter's
 
     @property
     def drafts(self) -> list[int]:
@@ -45,7 +47,29 @@ class RequestTree:
     def prefix(self, num_nodes: int) -> RequestTree:
         """The first ``num_nodes`` packed nodes: still a tree (a parent precedes its children)."""
         n = num_nodes
-        return RequestTree(self.tokens[:n], self.parent[:n], self.depth[:n], self.mode, self.extra)
+        return RequestTree(self.tokens[:n], self.parent[:n], self.depth[:n], self.mode, self.extra,
+                           self.from_drafter[:n])
+
+    def accepted_path(self, accepted: Sequence[int]) -> list[int]:
+        """Packed nodes of the path that emitted ``accepted`` (the accepted drafts), root first.
+
+        >>> RequestTree((5, 1, 4, 2), (-1, 0, 0, 2), (0, 1, 1, 2)).accepted_path([4, 2])
+        [0, 2, 3]
+        """
+        path = [0]
+        for token in accepted:
+            child = next((j for j in range(path[-1] + 1, len(self.tokens))
+                          if self.parent[j] == path[-1] and self.tokens[j] == token), None)
+            if child is None:
+                break
+            path.append(child)
+        return path
+
+    def drafter_depth(self, path: Sequence[int]) -> int:
+        """How deep ``path`` runs on drafter nodes (their set holds every ancestor of its own)."""
+        if not self.from_drafter:
+            return len(path) - 1
+        return next((d for d, node in enumerate(path) if not self.from_drafter[node]), len(path)) - 1
 
     @staticmethod
     def chain(tokens: Sequence[int], mode: str = "exact") -> RequestTree:
