@@ -13,10 +13,11 @@ def test_paths_under_the_checkout_cwd_and_home_are_made_relative(monkeypatch, tm
     monkeypatch.setattr(Path, "home", classmethod(lambda cls: Path("/users/ada")))
     monkeypatch.chdir(tmp_path)
     record = {"drafter": "/src/vllm-redrafter/vllm_redrafter/default_drafter",
+              "path": Path("/src/vllm-redrafter/benchmarks"),  # a Path too (argparse's type)
               "cmd": ["vllm-redrafter", "--out", f"{tmp_path}/runs/x", "/users/ada/.cache/t"],
               "n": 3, "other": "/opt/data/set.jsonl"}
     assert results.portable(record) == {
-        "drafter": "vllm_redrafter/default_drafter",
+        "drafter": "vllm_redrafter/default_drafter", "path": "benchmarks",
         "cmd": ["vllm-redrafter", "--out", "runs/x", "~/.cache/t"],
         "n": 3, "other": "/opt/data/set.jsonl"}
     results.write_json(tmp_path / "r.json", record)

@@ -26,7 +26,10 @@ def _prefixes() -> list[tuple[str, str]]:
 
 
 def portable(value: Any) -> Any:
-    """``value`` with every absolute path prefix in its strings made relative (see above)."""
+    """``value`` with every absolute path prefix in its strings and paths made relative (see
+    above); a ``Path`` becomes a string."""
+    if isinstance(value, Path):
+        value = str(value)
     if isinstance(value, str):
         for prefix, short in _prefixes():
             value = value.replace(prefix, short)
