@@ -27,6 +27,10 @@ Arms (``--arms``, vLLM alone always in):
 - ``redrafter``: vLLM + ReDrafter with the shipped drafter (``--drafter``), ``--beam-width``,
   ``--beam-length`` and ``--beam-policy`` (default W=1 L=3 fixed, the demo's shape), without
   context candidates; ``redrafter_ctx``: the same with ``--context-candidates`` (default 1).
+- ``redrafter_auto``: what a user gets out of the box: ``{"method": "redrafter", "model": DIR}``
+  and nothing else (beam policy ``auto`` within the default W=8 L=4, one context candidate). It
+  learns this machine's costs while it runs: the JSON lists any step-cost curve in the cache
+  (``cached_step_cost_curves``; none means it started from nothing).
 
 Sets (``--sets``): ``mt_bench`` and the project's own evaluation sets (``eval_sets.EVAL_SETS``:
 translation, summarization, qa, math, rag, code_edit). Per set, the first ``--num-prompts``
@@ -93,7 +97,7 @@ from vllm_redrafter.eval_sets import (
 )
 from vllm_redrafter.results import portable
 
-ARMS = ("alone", "ngram", "ngram_best", "suffix", "redrafter", "redrafter_ctx")
+ARMS = ("alone", "ngram", "ngram_best", "suffix", "redrafter", "redrafter_ctx", "redrafter_auto")
 SETS = ("mt_bench", *EVAL_SETS)
 NGRAM_DOC = "5:4:4"  # vLLM's docs: num_speculative_tokens 5, prompt_lookup_max 4 (min := max)
 NGRAM_SWEEP = "2:2:4,3:2:4,5:2:4,2:3:5,3:3:5,5:3:5"
@@ -136,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vLLM alone is always in")
     parser.add_argument("--num-prompts", type=int, default=24, help="per set")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="batch 1: > 0 samples, seeded per prompt (the same seed in every arm)")
     parser.add_argument("--repeats", type=int, default=2, help="even: start orders cancel")
     parser.add_argument("--ngram-doc", type=ngram_setting, default=ngram_setting(NGRAM_DOC),
                         help=f"the documented n-gram setting, k:min:max (default {NGRAM_DOC})")
@@ -193,9 +199,12 @@ def arm_specs(args, notes: list[str]) -> dict[str, dict | None]:
                 continue
             specs[arm] = {"method": "suffix",
                           "suffix_decoding_max_cached_requests": args.suffix_cached_requests}
-        elif arm in ("redrafter", "redrafter_ctx"):
+        elif arm.startswith("redrafter"):
             if not (args.drafter / "config.json").is_file():
                 raise SystemExit(f"no drafter at {args.drafter} (pass --drafter DIR)")
+            if arm == "redrafter_auto":  # the defaults, as a user who sets nothing gets them
+                specs[arm] = {"method": "redrafter", "model": str(args.drafter.resolve())}
+                continue
             specs[arm] = {"method": "redrafter", "model": str(args.drafter.resolve()),
                           "beam_width": args.beam_width, "beam_length": args.beam_length,
                           "beam_policy": args.beam_policy,
@@ -280,7 +289,8 @@ def interleaved(specs: dict, target: str, items: list[dict], warmup: list[int], 
                 llm.generate([TokensPrompt(prompt_token_ids=warmup)], params, use_tqdm=False)
             for i, item in enumerate(items):
                 for name in qps.rotation(names, i, k):
-                    seconds, output, spec = generate_one(engines[name], item["ids"], params)
+                    seconds, output, spec = generate_one(engines[name], item["ids"],
+                                                         item.get("params", params))
                     records.append({
                         "set": item["set"], "category": item["category"], "prompt": item["prompt"],
                         "repeat": k, "arm": name, "seconds": seconds, "tokens": len(output),
@@ -575,7 +585,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm import SamplingParams
 
     from vllm_redrafter.reference_loop import chat_prompt_ids
-    from vllm_redrafter.target import prepare_target
+    from vllm_redrafter.target import cache_dir, prepare_target
 
     notes: list[str] = []
     specs = arm_specs(args, notes)
@@ -585,7 +595,9 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"machine": machine(), "vllm_cpu_env": {k: v for k, v in os.environ.items()
                                                            if k.startswith("VLLM_CPU_")},
                     "args": {k: v for k, v in vars(args).items() if k not in ("out",)},
-                    "notes": notes}
+                    "notes": notes,
+                    "cached_step_cost_curves": sorted(
+                        p.name for p in (cache_dir() / "step_cost").glob("*.json"))}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
@@ -609,6 +621,10 @@ def main(argv: list[str] | None = None) -> None:
         for i, q in enumerate(categories_in_turn(all_questions, args.num_prompts)):
             items.append({"set": s, "category": q.category, "prompt": i,
                           "ids": chat_prompt_ids(tokenizer, q.first_turn)})
+            if args.temperature > 0:  # seeded per prompt, the same seed in every arm
+                items[-1]["params"] = SamplingParams(temperature=args.temperature,
+                                                     max_tokens=args.max_tokens,
+                                                     seed=len(items))
     warmup = chat_prompt_ids(tokenizer, training_requests(1)[0])
     records = mark_identity(interleaved(specs, target, items, warmup, params, args.repeats,
                                         resolved=result["resolved_specs"]))

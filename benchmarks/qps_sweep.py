@@ -25,7 +25,8 @@ variables).
     python benchmarks/qps_sweep.py [--drafter DIR] [--concurrency 1,2,4,8,16] [--rates R,...]
         [--prompts-per-level 6] [--repeats 2] [--fixed-repeats N] [--warmup-prompts 16]
         [--max-tokens 64]
-        [--beam-width 4 --beam-length 4] [--step-cost CURVE.json]
+        [--beam-width 4 --beam-length 4] [--fixed-shape W,L] [--cold] [--step-log DIR]
+        [--step-cost CURVE.json]
         [--out benchmarks/results/qps_sweep.json]
 """
 
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from vllm_redrafter.envs import CACHE, STEP_LOG
 from vllm_redrafter.eval_sets import MT_BENCH, first_turns  # noqa: E402
 from vllm_redrafter.results import portable  # noqa: E402
 from vllm_redrafter.demo import (
@@ -64,7 +66,8 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "vllm_redrafter.cli", *args]
 
 
-def start_server(name: str, target: str, spec: dict | None, log: Path) -> subprocess.Popen:
+def start_server(name: str, target: str, spec: dict | None, log: Path,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     args = ["serve", target, "--port", str(PORTS[name])]
     for key, value in engine_kwargs(target).items():  # the demo's engine, as CLI flags
         if key != "model":
@@ -73,7 +76,7 @@ def start_server(name: str, target: str, spec: dict | None, log: Path) -> subpro
     if spec is not None:
         args += ["--speculative-config", json.dumps(spec)]
     return subprocess.Popen(cli(*args), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **(env or {})})
 
 
 def exit_report(name: str, server: subprocess.Popen, log: Path) -> str:
@@ -146,14 +149,16 @@ def start_order(names: list[str], repeat: int) -> list[str]:
 
 
 @contextmanager
-def serving(order: list[str], target: str, specs: dict, work: Path) -> Iterator[None]:
-    """The servers of ``order``, each started after the one before is healthy; stopped on exit
-    (all their processes gone, so the next repeat starts on free ports and idle cores)."""
+def serving(order: list[str], target: str, specs: dict, work: Path,
+            envs: dict[str, dict[str, str]]) -> Iterator[None]:
+    """The servers of ``order``, each started after the one before is healthy, with its
+    ``envs`` entry added to the environment; stopped on exit (all their processes gone, so the
+    next repeat starts on free ports and idle cores)."""
     servers: dict[str, subprocess.Popen] = {}
     try:
         for name in order:
             log = work / f"{name}.log"
-            servers[name] = start_server(name, target, specs.get(name), log)
+            servers[name] = start_server(name, target, specs.get(name), log, envs.get(name))
             wait_healthy(servers[name], PORTS[name], log)
         yield
     except Exception:
@@ -289,6 +294,20 @@ class Sweep:
         self.runs = {load["label"]: {name: [] for name in PORTS} for load in self.levels}
         self.deltas = {load["label"]: {} for load in self.levels}
 
+    def envs(self, k: int) -> dict[str, dict[str, str]]:
+        """Per ReDrafter server of repeat ``k``: with --cold, a cache directory of its own, empty
+        (no step-cost curve: the policy starts from nothing); with --step-log, its step log."""
+        envs: dict[str, dict[str, str]] = {arm: {} for arm in ARMS}
+        for arm in ARMS:
+            if self.args.cold:
+                cache = self.work / f"cache_{arm}_{k}"
+                cache.mkdir()
+                envs[arm][CACHE] = str(cache)
+            if self.args.step_log is not None:
+                self.args.step_log.mkdir(parents=True, exist_ok=True)
+                envs[arm][STEP_LOG] = str(self.args.step_log / f"{arm}_{k}.jsonl")
+        return envs
+
     @property
     def dataset(self) -> Path:
         return self.work / "prompts.json"
@@ -297,7 +316,7 @@ class Sweep:
         """Repeat ``k``: its servers started anew, warmed up, then every load in turn."""
         args = self.args
         names = [n for n in PORTS if n != "fixed" or k < args.fixed_repeats]
-        with serving(start_order(names, k), self.target, self.specs, self.work):
+        with serving(start_order(names, k), self.target, self.specs, self.work, self.envs(k)):
             warmup = {"label": "warmup", "concurrency": 2, "num_prompts": args.warmup_prompts}
             for name in names:
                 bench(name, self.target, self.dataset, warmup, args, self.work)
@@ -331,6 +350,7 @@ class Sweep:
             "machine": machine(), "vllm_cpu_env": vllm_env, "specs": self.specs,
             "loads": self.levels, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "fixed_repeats": args.fixed_repeats, "warmup_prompts": args.warmup_prompts,
+            "cold": args.cold,
             "rows": rows, "raw": raw}), indent=1, default=str))
         plot(rows, args.out.with_suffix(".png"))
 
@@ -352,6 +372,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--beam-length", type=int, default=4)
+    parser.add_argument("--fixed-shape", default=None, metavar="W,L",
+                        help="the policy-off server's shape (default: --beam-width, --beam-length)")
+    parser.add_argument("--cold", action="store_true",
+                        help="each ReDrafter server gets an empty cache directory: no cached "
+                             "step-cost curve, the policy learns from nothing")
+    parser.add_argument("--step-log", type=Path, default=None, metavar="DIR",
+                        help="each ReDrafter server's step log (VLLM_REDRAFTER_STEP_LOG) in DIR")
     parser.add_argument("--step-cost", type=Path, default=None,
                         help="the policy arm's step-cost curve (default: this machine's cached one)")
     parser.add_argument("--out", type=Path,
@@ -370,6 +397,9 @@ def main() -> None:
     specs = {arm: {"method": "redrafter", "model": str(args.drafter.resolve()),
                    "beam_width": args.beam_width, "beam_length": args.beam_length,
                    "beam_policy": "auto" if arm == "policy" else "fixed"} for arm in ARMS}
+    if args.fixed_shape is not None:
+        width, length = (int(x) for x in args.fixed_shape.split(","))
+        specs["fixed"].update(beam_width=width, beam_length=length)
     if args.step_cost is not None:
         specs["policy"]["step_cost"] = str(args.step_cost.resolve())
     questions = first_turns(args.prompts or MT_BENCH, NUM_QUESTIONS)
