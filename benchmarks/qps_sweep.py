@@ -25,7 +25,8 @@ variables).
     python benchmarks/qps_sweep.py [--drafter DIR] [--concurrency 1,2,4,8,16] [--rates R,...]
         [--prompts-per-level 6] [--repeats 2] [--fixed-repeats N] [--warmup-prompts 16]
         [--max-tokens 64]
-        [--beam-width 4 --beam-length 4] [--fixed-shape W,L] [--cold] [--step-log DIR]
+        [--beam-width 4 --beam-length 4] [--fixed-shape W,L] [--fixed-extra JSON] [--cold]
+        [--step-log DIR]
         [--step-cost CURVE.json]
         [--out benchmarks/results/qps_sweep.json]
 """
@@ -350,7 +351,7 @@ class Sweep:
             "machine": machine(), "vllm_cpu_env": vllm_env, "specs": self.specs,
             "loads": self.levels, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "fixed_repeats": args.fixed_repeats, "warmup_prompts": args.warmup_prompts,
-            "cold": args.cold,
+            "cold": getattr(args, "cold", False),
             "rows": rows, "raw": raw}), indent=1, default=str))
         plot(rows, args.out.with_suffix(".png"))
 
@@ -374,6 +375,10 @@ def main() -> None:
     parser.add_argument("--beam-length", type=int, default=4)
     parser.add_argument("--fixed-shape", default=None, metavar="W,L",
                         help="the policy-off server's shape (default: --beam-width, --beam-length)")
+    parser.add_argument("--fixed-extra", type=json.loads, default=None, metavar="JSON",
+                        help="keys merged into the policy-off server's speculative config (e.g. "
+                             "'{\"beam_policy\": \"auto\", \"context_candidates\": 0}': a "
+                             "second policy arm)")
     parser.add_argument("--cold", action="store_true",
                         help="each ReDrafter server gets an empty cache directory: no cached "
                              "step-cost curve, the policy learns from nothing")
@@ -400,6 +405,8 @@ def main() -> None:
     if args.fixed_shape is not None:
         width, length = (int(x) for x in args.fixed_shape.split(","))
         specs["fixed"].update(beam_width=width, beam_length=length)
+    if args.fixed_extra:
+        specs["fixed"].update(args.fixed_extra)
     if args.step_cost is not None:
         specs["policy"]["step_cost"] = str(args.step_cost.resolve())
     questions = first_turns(args.prompts or MT_BENCH, NUM_QUESTIONS)
