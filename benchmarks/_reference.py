@@ -72,18 +72,22 @@ def load_target(target_dir: str | Path, device: str = "cpu"):
 def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list[str],
                   beam_width: int, beam_length: int, max_new_tokens: int,
                   model_and_tokenizer=None, categories: list[str] | None = None,
-                  context_candidates: int = 0, lookup: tuple[int, int] = (2, 5)) -> dict:
+                  context_candidates: int = 0, lookup: tuple[int, int] = (2, 5),
+                  candidate_tokens: int | None = None) -> dict:
     """tokens/step etc. of the drafter in ``drafter_dir`` over ``prompts`` (see module doc).
 
     With ``categories`` (one per prompt) the result also has tokens/step per category. With
-    ``context_candidates`` (lookup: its n-gram lengths, min and max) it also has the share of
-    steps whose accepted path only a candidate held (``candidate_won``).
+    ``context_candidates`` (lookup: its n-gram lengths, min and max; ``candidate_tokens`` their
+    most tokens, default L - 1) it also has the share of steps whose accepted path only a
+    candidate held (``candidate_won``).
     """
     model, tokenizer = model_and_tokenizer or load_target(target_dir)
     drafter = RecurrentDrafter.from_pretrained(drafter_dir, model.get_input_embeddings(),
                                                device=model.device, dtype=torch.float32).eval()
     proposer = TimedProposer(drafter, beam_width, beam_length) if beam_width else None
-    steps, accepted, hist, won = 0, 0, [0] * beam_length, 0
+    candidate_tokens = candidate_tokens or beam_length - 1
+    depth = max(beam_length, 1 + candidate_tokens if context_candidates else 0)
+    steps, accepted, hist, won = 0, 0, [0] * depth, 0
     response_tokens: list[int] = []
     by_category: dict[str, list[int]] = {}  # category -> [steps, accepted]
     for i, question in enumerate(prompts):
@@ -91,7 +95,7 @@ def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list
         propose = proposer
         if context_candidates:
             propose = ContextCandidatesProposer(proposer, prompt_ids, context_candidates,
-                                                beam_length, *lookup)
+                                                candidate_tokens, *lookup)
         result = speculative_generate(model, prompt_ids, propose, max_new_tokens,
                                       tokenizer.eos_token_id)
         if context_candidates:
@@ -111,9 +115,10 @@ def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list
     return {
         "beam_width": beam_width, "beam_length": beam_length, "prompts": len(prompts),
         "steps": steps, "tokens_per_step": (accepted + steps) / max(steps, 1),
-        # share of steps that accepted at least k draft tokens, k = 1..L-1
-        "acceptance_at_least": [sum(hist[k:]) / max(steps, 1) for k in range(1, beam_length)],
+        # share of steps that accepted at least k draft tokens, k = 1..L-1 (or candidate length)
+        "acceptance_at_least": [sum(hist[k:]) / max(steps, 1) for k in range(1, depth)],
         "context_candidates": context_candidates, "candidate_won": won / max(steps, 1),
+        **({"candidate_tokens": candidate_tokens} if context_candidates else {}),
         "draft_ms_per_step": (1000 * sum(proposer.seconds) / max(len(proposer.seconds), 1)
                               if proposer else 0.0),
         "response_tokens_in_draft_vocab": float(torch.isin(tokens, draft_ids).double().mean()),

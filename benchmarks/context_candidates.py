@@ -9,7 +9,8 @@ sets (``vllm_redrafter/eval_sets.py``), the first N prompts of each. Evaluation 
 tuned on them.
 
     python benchmarks/context_candidates.py [--num-prompts 10] [--max-new-tokens 64]
-        [--arms 1x4x0,1x4x1,4x4x0,4x4x1,0x4x1] [--lookup 2,5]
+        [--arms 1x4x0,1x4x1,4x4x0,4x4x1,0x4x1] [--lookup 2,5]   (arm: WxLxC[xK], K a
+        candidate's most tokens, default L - 1)
         [--out benchmarks/results/context_candidates.json]
 """
 
@@ -30,18 +31,22 @@ from vllm_redrafter.results import write_json  # noqa: E402
 from vllm_redrafter.target import prepare_target  # noqa: E402
 
 
-def arm(text: str) -> tuple[int, int, int]:
-    """``"WxLxC"`` -> (beam width, beam length, context candidates); W 0: candidates alone."""
+def arm(text: str) -> tuple[int, int, int, int]:
+    """``"WxLxC"`` or ``"WxLxCxK"`` -> (beam width, beam length, context candidates, their most
+    tokens K, default L - 1); W 0: candidates alone."""
     try:
-        width, length, count = (int(x) for x in text.split("x"))
+        width, length, count, *k = (int(x) for x in text.split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"arm {text!r} is not WxLxC") from None
-    if width < 0 or length < 2 or count < 0 or not (width or count):
-        raise argparse.ArgumentTypeError(f"arm {text!r}: need W >= 0, L >= 2, C >= 0, W + C > 0")
-    return width, length, count
+        raise argparse.ArgumentTypeError(f"arm {text!r} is not WxLxC[xK]") from None
+    tokens = k[0] if k else length - 1
+    if (width < 0 or length < 2 or count < 0 or not (width or count) or tokens < 1
+            or len(k) > 1):
+        raise argparse.ArgumentTypeError(
+            f"arm {text!r}: need W >= 0, L >= 2, C >= 0, W + C > 0, K >= 1")
+    return width, length, count, tokens
 
 
-def arm_list(text: str) -> list[tuple[int, int, int]]:
+def arm_list(text: str) -> list[tuple[int, int, int, int]]:
     return [arm(t) for t in text.split(",") if t.strip()]
 
 
@@ -78,16 +83,17 @@ def main() -> None:
                       [q.first_turn for q in read_eval_set(name, args.num_prompts)])
                for name in sets}
     cells = []
-    for width, length, count in args.arms:
+    for width, length, count, tokens in args.arms:
         start = time.time()
         questions = [q for name in sets for q in prompts[name]]
         categories = [name for name in sets for _ in prompts[name]]
         cell = run_reference(target, args.drafter, questions, width, length, args.max_new_tokens,
                              model_and_tokenizer=model, categories=categories,
-                             context_candidates=count, lookup=tuple(args.lookup))
+                             context_candidates=count, lookup=tuple(args.lookup),
+                             candidate_tokens=tokens)
         cell.pop("response_tokens_in_draft_vocab", None)
         cells.append(cell)
-        print(f"W={width} L={length} C={count}: tokens/step {cell['tokens_per_step']:.3f}, "
+        print(f"W={width} L={length} C={count} K={tokens}: tokens/step {cell['tokens_per_step']:.3f}, "
               f"a candidate alone held the accepted path in {cell['candidate_won']:.1%} of steps "
               f"({time.time() - start:.0f} s)", flush=True)
     result = {"drafter": str(args.drafter), "machine": machine(), "sets": sets,
@@ -96,12 +102,12 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, result)
     print(f"\ntokens per target forward (reference loop, greedy, {args.num_prompts} prompts per "
-          f"set, {args.max_new_tokens} tokens; arm W x L x C)")
-    print(f"{'set':<15}" + "".join(f"{f'{w}x{l}x{c}':>9}" for w, l, c in args.arms))
+          f"set, {args.max_new_tokens} tokens; arm W x L x C x K)")
+    print(f"{'set':<15}" + "".join(f"{f'{w}x{l}x{c}x{k}':>11}" for w, l, c, k in args.arms))
     for name in sets:
         print(f"{name:<15}" + "".join(
-            f"{c['tokens_per_step_by_category'][name]:>9.2f}" for c in cells))
-    print(f"{'all':<15}" + "".join(f"{c['tokens_per_step']:>9.2f}" for c in cells))
+            f"{c['tokens_per_step_by_category'][name]:>11.2f}" for c in cells))
+    print(f"{'all':<15}" + "".join(f"{c['tokens_per_step']:>11.2f}" for c in cells))
     print(f"written to {args.out}")
 
 

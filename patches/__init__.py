@@ -65,3 +65,11 @@ def wrap_method(owner: type, name: str, params: tuple[str, ...],
     setattr(wrapper, _PATCHED, True)
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     setattr(owner, name, wrapper)
+
+
+def redrafter_runner(runner: Any) -> bool:
+    """Whether a model runner is a redrafter engine's (its ``drafter`` is our proposer): the
+    patches act on those runners only and leave every other engine as vLLM made it."""
+    from vllm_redrafter.vllm_plugin.proposer import ReDrafterProposer
+
+    return isinstance(getattr(runner, "drafter", None), ReDrafterProposer)

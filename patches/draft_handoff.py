@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_redrafter.patches import wrap_method
+from vllm_redrafter.patches import redrafter_runner, wrap_method
 
 DRAFTS_ATTR = "redrafter_draft_token_ids"
 """Attribute of ``ModelRunnerOutput`` holding the step's ``DraftTokenIds`` (or None: no drafts)."""
@@ -43,12 +43,10 @@ def apply() -> None:
 def _sample_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-    from vllm_redrafter.vllm_plugin.proposer import ReDrafterProposer
-
     def sample_tokens(self, grammar_output):
         output = original(self, grammar_output)
-        if (isinstance(getattr(self, "drafter", None), ReDrafterProposer)
-                and type(output) is ModelRunnerOutput and output is not EMPTY_MODEL_RUNNER_OUTPUT):
+        if (redrafter_runner(self) and type(output) is ModelRunnerOutput
+                and output is not EMPTY_MODEL_RUNNER_OUTPUT):
             setattr(output, DRAFTS_ATTR, self.take_draft_token_ids())
         return output
 

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vllm_redrafter.patches import wrap_method
+from vllm_redrafter.patches import redrafter_runner, wrap_method
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,11 @@ def apply() -> None:
 
 def tree_verifier(runner: Any):
     """The runner's TreeVerifier, installed on first use; None if the proposer is not ours."""
-    from vllm_redrafter.vllm_plugin.proposer import ReDrafterProposer
     from vllm_redrafter.vllm_plugin.verifier import TreeVerifier
 
-    proposer = getattr(runner, "drafter", None)
-    if not isinstance(proposer, ReDrafterProposer):
+    if not redrafter_runner(runner):
         return None
+    proposer = runner.drafter
     verifier = runner.rejection_sampler
     if not isinstance(verifier, TreeVerifier):
         verifier = TreeVerifier(runner, runner.rejection_sampler)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_redrafter.patches import wrap_method
+from vllm_redrafter.patches import redrafter_runner, wrap_method
 
 SAMPLE_PARAMS = ("self", "logits", "spec_decode_metadata")
 BOOKKEEPING_PARAMS = ("self", "scheduler_output", "sampler_output", "logits", "hidden_states",
@@ -40,10 +40,7 @@ def apply() -> None:
 def discarded_cpu_generators(runner) -> dict[int, Any]:
     """Batch index -> CPU generator, for the seeded requests whose sample this step discards
     (empty unless the runner is a redrafter engine's on CPU)."""
-    from vllm_redrafter.vllm_plugin.proposer import ReDrafterProposer
-
-    if runner.device.type != "cpu" or not isinstance(getattr(runner, "drafter", None),
-                                                      ReDrafterProposer):
+    if runner.device.type != "cpu" or not redrafter_runner(runner):
         return {}
     generators = runner.input_batch.generators
     if not generators:

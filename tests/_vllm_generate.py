@@ -3,10 +3,17 @@
 The tests' "vLLM alone" baseline runs here with ``VLLM_PLUGINS=""`` (once a process loaded the
 plugin, its patches stay), and the plain plugin-loaded run with the plugin allowed.
 
-JOB (json): {"engine": {LLM kwargs}, "runs": [{"prompts": [[token ids]], "params": {...}}]}
-            ("params" may also be a list: one dict per prompt; "metrics": true adds vLLM's
-            metrics to OUT)
-OUT (json): {"plugin_patched": bool, "outputs": [[[token ids] per prompt] per run]}
+JOB (json): {"engine": {LLM kwargs}, "runs": [run, ...], "metrics": bool}
+  run: {"prompts": [[token ids]], "params": {...}} ("params" may also be a list: one dict per
+       prompt, as :func:`sampling_params` reads it: "structured_outputs" holds
+       StructuredOutputsParams kwargs, "logit_bias" JSON's string keys), or
+       {"continue": [r, [i, ...]], "params": ...}: run r's prompt i + its output i (its first k
+       tokens: [r, [i, ...], k]).
+OUT (json): {"plugin_patched": bool, "outputs": [[token ids] per prompt] per run,
+  "completions" (every completion, for n > 1), "logprobs" ([token, logprob, rank] lists per
+  position), "num_cached_tokens" (prefix cache hits per request); with "metrics": true (needs
+  ``disable_log_stats=False``), "metrics_per_run" (vLLM's metrics after each run) and "metrics"
+  (after the last)}.
 """
 
 from __future__ import annotations
@@ -15,24 +22,58 @@ import json
 import sys
 
 
+def sampling_params(p: dict):
+    """``SamplingParams(**p)``, p as JSON holds it (the tests build their requests with it too)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    p = dict(p)
+    if "structured_outputs" in p:
+        p["structured_outputs"] = StructuredOutputsParams(**p["structured_outputs"])
+    if "logit_bias" in p:
+        p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
+    return SamplingParams(**p)
+
+
+def _logprobs(completion) -> list | None:
+    if completion.logprobs is None:
+        return None
+    return [sorted([t, lp.logprob, lp.rank] for t, lp in step.items())
+            for step in completion.logprobs]
+
+
 def main(job_file: str, out_file: str) -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
 
     job = json.loads(open(job_file).read())
     llm = LLM(**job["engine"])
-    outputs = []
+    prompts, outputs, completions, logprobs, cached, metrics = [], [], [], [], [], []
     for run in job["runs"]:
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in run["prompts"]]
-        params = ([SamplingParams(**p) for p in run["params"]] if isinstance(run["params"], list)
-                  else SamplingParams(**run["params"]))
-        results = llm.generate(prompts, params, use_tqdm=False)
+        if "continue" in run:
+            r, index, *k = run["continue"]
+            run_prompts = [prompts[r][i] + outputs[r][i][: k[0] if k else None] for i in index]
+        else:
+            run_prompts = run["prompts"]
+        params = run["params"]
+        params = ([sampling_params(p) for p in params] if isinstance(params, list)
+                  else sampling_params(params))
+        results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in run_prompts],
+                               params, use_tqdm=False)
+        prompts.append(run_prompts)
         outputs.append([list(r.outputs[0].token_ids) for r in results])
+        completions.append([[list(c.token_ids) for c in r.outputs] for r in results])
+        logprobs.append([[_logprobs(c) for c in r.outputs] for r in results])
+        cached.append([r.num_cached_tokens for r in results])
+        if job.get("metrics"):
+            metrics.append({m.name: getattr(m, "value", getattr(m, "values", None))
+                            for m in llm.get_metrics()})
     patched = hasattr(EngineArgs.create_speculative_config, "_vllm_redrafter_patched")
-    result = {"plugin_patched": patched, "outputs": outputs}
-    if job.get("metrics"):  # counters and gauges (needs disable_log_stats=False)
-        result["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    result = {"plugin_patched": patched, "outputs": outputs, "completions": completions,
+              "logprobs": logprobs, "num_cached_tokens": cached}
+    if job.get("metrics"):
+        result.update(metrics_per_run=metrics, metrics=metrics[-1] if metrics else {})
     with open(out_file, "w") as f:
         json.dump(result, f)
 

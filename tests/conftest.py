@@ -15,6 +15,7 @@ import torch
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DRAFTER = REPO / "vllm_redrafter" / "default_drafter"
 
 
 def pytest_addoption(parser) -> None:
@@ -77,3 +78,21 @@ def save_random_drafter(path: Path) -> Path:
         torch.nn.init.normal_(p, std=0.02)
     drafter.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def drafter_dir(tmp_path_factory) -> Path:
+    """The shipped drafter, or an untrained one where the package ships none."""
+    if (DEFAULT_DRAFTER / "config.json").is_file():
+        return DEFAULT_DRAFTER
+    return save_random_drafter(tmp_path_factory.mktemp("drafter"))
+
+
+def chat_prompts(target_dir: Path, questions: list[str]) -> list[list[int]]:
+    """Questions as first turns in the target's chat template, as token ids."""
+    from transformers import AutoTokenizer
+
+    from vllm_redrafter.reference_loop import chat_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return [chat_prompt_ids(tokenizer, q) for q in questions]

@@ -341,6 +341,29 @@ def test_a_change_of_prompts_is_followed():
         assert sum(s.width > 0 for s in after[300:]) > 270, batch
 
 
+def test_the_safety_net_holds_a_wrong_model_at_plain(monkeypatch):
+    """The model misled on purpose: it expects every shape to accept 3 tokens more than it
+    does (as if it counted what it cannot see, like tokens context candidates add), on a
+    machine where verified tokens cost 6x the CPU table's, so drafting loses. Without the
+    safety net (guard_every 0) the policy stays below 0.8x plain at batch 8; with it, the
+    drafting steps' measured tokens/s hold the bucket plain: >= 0.95x plain after the first
+    judgements (3 drafting steps per judgement and the exploring ones are its cost)."""
+    real = AcceptanceStats.tokens_per_step
+    monkeypatch.setattr(AcceptanceStats, "tokens_per_step",
+                        lambda self, w, l, hopeful=False: real(self, w, l, hopeful) + 3.0)
+    dear = Machine(lambda b, n: CPU.verify(b, b) + 6 * (CPU.verify(b, n) - CPU.verify(b, b)),
+                   CPU.draft)
+    plain = plain_rate(dear, SHIPPED, 8)
+    rates = {}
+    for every in (0, PolicyConfig().guard_every):
+        log = run(BeamPolicy(4, 4, PolicyConfig(guard_every=every)), dear, SHIPPED, 8, 1500)
+        rates[every] = rate(log[500:]) / plain
+        if every:
+            assert collections.Counter(s.reason for s in log[500:])["guard"] > 800
+    print(f"\nmisled model, batch 8, x plain: {rates}")
+    assert rates[0] < 0.8 and rates[PolicyConfig().guard_every] >= 0.95, rates
+
+
 def test_noisy_step_times_do_not_push_it_below_plain():
     """Each step's parts x a uniform factor in [0.85, 1.15] (a shared machine): at batch 8, 16
     and 32 on the CPU-like machine, cold, no curve, still >= 0.98x plain decoding."""

@@ -23,12 +23,11 @@ from pathlib import Path
 
 import pytest
 import ray_cpu_shims
-from conftest import save_random_drafter
+from conftest import DEFAULT_DRAFTER, chat_prompts
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DRAFTER = REPO / "vllm_redrafter" / "default_drafter"
 NUM_PROMPTS, MAX_TOKENS = 6, 64
 TP = 3  # the embedded target's 9 query / 3 KV heads split as 1 or 3
 GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -48,20 +47,9 @@ def spec_config(drafter_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory) -> Path:
-    if (DEFAULT_DRAFTER / "config.json").is_file():
-        return DEFAULT_DRAFTER
-    return save_random_drafter(tmp_path_factory.mktemp("drafter"))
-
-
-@pytest.fixture(scope="module")
 def prompts(target_dir, mt_bench_questions) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    from vllm_redrafter.reference_loop import chat_prompt_ids
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    return [chat_prompt_ids(tokenizer, q) for q in mt_bench_questions[:NUM_PROMPTS]]
+    """The first NUM_PROMPTS MT-Bench first turns in the target's chat template, as token ids."""
+    return chat_prompts(target_dir, mt_bench_questions[:NUM_PROMPTS])
 
 
 @pytest.fixture(scope="module")

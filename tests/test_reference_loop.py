@@ -95,7 +95,7 @@ class OneTokenLate(ContextCandidatesProposer):
     """Negative control: each candidate starts one token after where the lookup says."""
 
     def find(self, context):
-        return [c[1:] for c in find_candidates(context, self.count, self.length, self.min_n,
+        return [c[1:] for c in find_candidates(context, self.count, self.tokens + 1, self.min_n,
                                                 self.max_n) if len(c) > 1]
 
 
@@ -116,7 +116,7 @@ def test_context_candidates_keep_the_target_greedy_output(target, prompts_and_re
     for name, kind in (("right", ContextCandidatesProposer), ("late", OneTokenLate)):
         won[name] = 0
         for prompt, reference in list(zip(prompts, references))[:4]:
-            proposer = kind(DrafterProposer(drafter, 2, 4), prompt, 2, 4, min_n=2, max_n=5)
+            proposer = kind(DrafterProposer(drafter, 2, 4), prompt, 2, 3, min_n=2, max_n=5)
             result = speculative_generate(model, prompt, proposer, MAX_NEW_TOKENS,
                                           tokenizer.eos_token_id)
             assert result.tokens == reference, name

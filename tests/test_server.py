@@ -42,13 +42,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import save_random_drafter
+from conftest import DEFAULT_DRAFTER, chat_prompts
 from vllm_redrafter.demo import metric_totals
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DRAFTER = REPO / "vllm_redrafter" / "default_drafter"
 MAX_MODEL_LEN = 1024
 SPEC = {"beam_width": 2, "beam_length": 3, "num_speculative_tokens": 8}  # + method, model
 SHUTDOWN_TIMEOUT = 60  # s vLLM drains in-flight requests for at shutdown
@@ -83,22 +82,9 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory) -> Path:
-    if (DEFAULT_DRAFTER / "config.json").is_file():
-        return DEFAULT_DRAFTER
-    return save_random_drafter(tmp_path_factory.mktemp("drafter"))
-
-
-@pytest.fixture(scope="module")
 def prompts(target_dir, mt_bench_questions) -> list[list[int]]:
     """The first NUM_PROMPTS MT-Bench first turns in the target's chat template, as token ids."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                               add_generation_prompt=True, tokenize=True,
-                                               return_dict=True)["input_ids"])
-            for q in mt_bench_questions[:NUM_PROMPTS]]
+    return chat_prompts(target_dir, mt_bench_questions[:NUM_PROMPTS])
 
 
 @pytest.fixture(scope="module")

@@ -43,12 +43,12 @@ def test_rewrite_into_custom_class_keeps_vllm_keys(drafter_dir):
     )
     assert out["method"] == "custom_class"
     assert out["model"] == PROPOSER_CLASS
-    assert out["num_speculative_tokens"] == (2 + 1) * 3  # (W + context_candidates) * (L - 1)
+    assert out["num_speculative_tokens"] == 2 * 3 + 1 * 5  # W (L - 1) + C x prompt_lookup_tokens
     assert out["enforce_eager"] is True  # vLLM's own keys pass through to vLLM
     assert not {"beam_width", "beam_length", "verification", "beam_policy"} & out.keys()
     extra = out["draft_load_config"]["model_loader_extra_config"]
     settings = settings_from_extra_config(extra)
-    assert settings == ReDrafterSettings(str(drafter_dir.resolve()), 2, 4, 9, "exact", "auto",
+    assert settings == ReDrafterSettings(str(drafter_dir.resolve()), 2, 4, 11, "exact", "auto",
                                          context_candidates=1)
     # the settings travel to the workers inside the pickled VllmConfig
     assert pickle.loads(pickle.dumps(extra)) == extra
@@ -95,6 +95,7 @@ def test_explicit_num_speculative_tokens_is_kept(drafter_dir):
         ({"context_candidates": 2, "verification": "rejection"}, "context_candidates",
          "must be 0 with 'rejection' verification, got 2"),
         ({"prompt_lookup_min": 0}, "prompt_lookup_min", "an integer >= 1, got 0"),
+        ({"prompt_lookup_tokens": 0}, "prompt_lookup_tokens", "[1, 128], got 0"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max",
          "an integer >= 3, got 2"),
     ],
@@ -155,12 +156,17 @@ def test_request_overrides(drafter_dir):
 
 def test_context_candidates_settings_and_overrides(drafter_dir):
     settings = validate_settings(spec(drafter_dir, beam_width=2, beam_length=4), H, V)
-    assert (settings.context_candidates, settings.lookup_min, settings.lookup_max) == (1, 2, 5)
-    assert settings.num_speculative_tokens == (2 + 1) * 3  # room for the candidates' nodes
+    assert (settings.context_candidates, settings.lookup_min, settings.lookup_max,
+            settings.lookup_tokens) == (1, 2, 5, 5)
+    assert settings.num_speculative_tokens == 2 * 3 + 5  # room for the candidates' nodes
+    eight = validate_settings(spec(drafter_dir, beam_width=2, beam_length=4, context_candidates=2,
+                                   prompt_lookup_tokens=8), H, V)
+    assert (eight.lookup_tokens, eight.num_speculative_tokens) == (8, 2 * 3 + 2 * 8)
     four = validate_settings(spec(drafter_dir, context_candidates=4, prompt_lookup_min=3), H, V)
     assert (four.context_candidates, four.lookup_min, four.lookup_max) == (4, 3, 5)
     out = rewrite_speculative_config(spec(drafter_dir, context_candidates=2, prompt_lookup_max=3))
-    assert not {"context_candidates", "prompt_lookup_min", "prompt_lookup_max"} & out.keys()
+    assert not {"context_candidates", "prompt_lookup_min", "prompt_lookup_max",
+                "prompt_lookup_tokens"} & out.keys()
     # rejection verification takes no candidates (no q): 0 by default, refused if asked
     assert validate_settings(spec(drafter_dir, verification="rejection")).context_candidates == 0
     base = request_settings(None, settings)

@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import save_random_drafter
+from _vllm_generate import sampling_params
+from conftest import DEFAULT_DRAFTER, chat_prompts
 from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DRAFTER = REPO / "vllm_redrafter" / "default_drafter"
 NUM_PROMPTS, MAX_TOKENS = 20, 64
 VOCAB = 49152
 
@@ -55,24 +55,9 @@ SEEDED = dict(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def drafter_dir(tmp_path_factory) -> Path:
-    if (DEFAULT_DRAFTER / "config.json").is_file():
-        return DEFAULT_DRAFTER
-    return save_random_drafter(tmp_path_factory.mktemp("drafter"))
-
-
-@pytest.fixture(scope="module")
 def prompts(target_dir, mt_bench_questions) -> list[list[int]]:
     """The first NUM_PROMPTS MT-Bench first turns in the target's chat template, as token ids."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    return [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                           add_generation_prompt=True, tokenize=True,
-                                           return_dict=True)["input_ids"])
-        for q in mt_bench_questions[:NUM_PROMPTS]
-    ]
+    return chat_prompts(target_dir, mt_bench_questions[:NUM_PROMPTS])
 
 
 EVAL_PER_SET = 2  # prompts from each of the project's evaluation sets (vllm_redrafter/eval_sets.py)
@@ -111,7 +96,7 @@ def subprocess_runs(target_dir, prompts, eval_prompts, tmp_path_factory) -> dict
             runs += [{"prompts": eval_prompts, "params": GREEDY}]
         env = {} if plugins is None else {"VLLM_PLUGINS": plugins}
         results[name] = generate_in_subprocess({"engine": engine_kwargs(target_dir), "runs": runs},
-                                               work / name, env, extras=name == "alone")
+                                               work / name, env)
     return results
 
 
@@ -120,90 +105,19 @@ ALONE_RUNS = {"mixed_greedy": 5, "mixed_sampled": 6, "long_continued": 7, "eval"
 
 
 def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None,
-                           extras: bool = False, timeout: float = 900) -> dict:
+                           timeout: float = 900) -> dict:
     """``tests/_vllm_generate.py`` on ``job`` in a fresh process (plugin allowed unless ``env``
-    sets VLLM_PLUGINS); its output json, with the process's log under "log".
-
-    ``extras``: run :data:`GENERATE_WITH_EXTRAS` instead, which also takes the parameters
-    ``tests/_vllm_generate.py`` cannot (a JSON schema, ``logit_bias``), runs that continue an
-    earlier run, and returns every completion, logprobs, prefix cache hits per request and metrics
-    after each run.
-    """
+    sets VLLM_PLUGINS); its output json, with the process's log under "log"."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "job.json").write_text(json.dumps(job))
-    script = REPO / "tests" / "_vllm_generate.py"
-    if extras:
-        script = work / "generate_with_extras.py"
-        script.write_text(GENERATE_WITH_EXTRAS)
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     full_env.pop("VLLM_PLUGINS", None)
-    run = subprocess.run([sys.executable, str(script), str(work / "job.json"),
-                          str(work / "out.json")],
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"),
+                          str(work / "job.json"), str(work / "out.json")],
                          env={**full_env, **(env or {})}, capture_output=True, text=True,
                          timeout=timeout)
     assert run.returncode == 0, f"{work.name} run failed:\n{(run.stdout + run.stderr)[-4000:]}"
     return {**json.loads((work / "out.json").read_text()), "log": run.stdout + run.stderr}
-
-
-GENERATE_WITH_EXTRAS = r'''"""tests/_vllm_generate.py's job format, plus what the mixed-batch, chunked-prefill and bf16
-tests need: per-request params may carry "structured_outputs" (StructuredOutputsParams kwargs)
-and "logit_bias" (JSON's string keys); a run {"continue": [r, [i, ...]], "params": ...} prompts
-with run r's prompt i + its output i (its first k tokens: [r, [i, ...], k]). OUT adds "completions" (every completion, for n > 1),
-"logprobs" ([token, logprob, rank] lists per position), "num_cached_tokens" (prefix cache hits per
-request) and, with "metrics": true, "metrics_per_run" (vLLM's metrics after each run)."""
-import json
-import sys
-
-from vllm import LLM, SamplingParams
-from vllm.engine.arg_utils import EngineArgs
-from vllm.inputs import TokensPrompt
-from vllm.sampling_params import StructuredOutputsParams
-
-
-def sampling_params(p):
-    p = dict(p)
-    if "structured_outputs" in p:
-        p["structured_outputs"] = StructuredOutputsParams(**p["structured_outputs"])
-    if "logit_bias" in p:
-        p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
-    return SamplingParams(**p)
-
-
-def logprobs(completion):
-    if completion.logprobs is None:
-        return None
-    return [sorted([t, lp.logprob, lp.rank] for t, lp in step.items())
-            for step in completion.logprobs]
-
-
-job = json.load(open(sys.argv[1]))
-llm = LLM(**job["engine"])
-prompts, outputs, completions, all_logprobs, cached, metrics = [], [], [], [], [], []
-for run in job["runs"]:
-    if "continue" in run:
-        r, index, *k = run["continue"]
-        run_prompts = [prompts[r][i] + outputs[r][i][: k[0] if k else None] for i in index]
-    else:
-        run_prompts = run["prompts"]
-    params = run["params"]
-    params = ([sampling_params(p) for p in params] if isinstance(params, list)
-              else sampling_params(params))
-    results = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in run_prompts], params,
-                           use_tqdm=False)
-    prompts.append(run_prompts)
-    outputs.append([list(r.outputs[0].token_ids) for r in results])
-    completions.append([[list(c.token_ids) for c in r.outputs] for r in results])
-    all_logprobs.append([[logprobs(c) for c in r.outputs] for r in results])
-    cached.append([r.num_cached_tokens for r in results])
-    if job.get("metrics"):  # (needs disable_log_stats=False)
-        metrics.append({m.name: getattr(m, "value", getattr(m, "values", None))
-                        for m in llm.get_metrics()})
-patched = hasattr(EngineArgs.create_speculative_config, "_vllm_redrafter_patched")
-with open(sys.argv[2], "w") as f:
-    json.dump({"plugin_patched": patched, "outputs": outputs, "completions": completions,
-               "logprobs": all_logprobs, "num_cached_tokens": cached,
-               "metrics_per_run": metrics}, f)
-'''
 
 
 @pytest.fixture(scope="module")
@@ -267,19 +181,6 @@ def generate(llm, prompts, per_request_params: list[dict]):
 
     return llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
                         [sampling_params(p) for p in per_request_params], use_tqdm=False)
-
-
-def sampling_params(p: dict):
-    """``SamplingParams(**p)``, p as JSON holds it (as GENERATE_WITH_EXTRAS reads it too)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    p = dict(p)
-    if "structured_outputs" in p:
-        p["structured_outputs"] = StructuredOutputsParams(**p["structured_outputs"])
-    if "logit_bias" in p:
-        p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
-    return SamplingParams(**p)
 
 
 def beam_shape(W: int, L: int) -> dict:
@@ -835,7 +736,7 @@ def mixed_kinds(sampled: bool) -> list[str]:
 
 
 def logprob_lists(completion) -> list | None:
-    """A completion's logprobs as GENERATE_WITH_EXTRAS writes them: [token, logprob, rank]."""
+    """A completion's logprobs as tests/_vllm_generate.py writes them: [token, logprob, rank]."""
     if completion.logprobs is None:
         return None
     return [sorted([t, lp.logprob, lp.rank] for t, lp in step.items())
@@ -940,8 +841,7 @@ def test_chunked_prefill_and_prefix_cache_on_generated_text(target_dir, drafter_
         {"prompts": [prompts[i] for i in LONG], "params": GREEDY},
         {"continue": [0, list(range(len(LONG)))], "params": GREEDY}]}
     steps = tmp_path / "steps.jsonl"
-    out = generate_in_subprocess(job, tmp_path / "run", {"VLLM_REDRAFTER_STEP_LOG": str(steps)},
-                                 extras=True)
+    out = generate_in_subprocess(job, tmp_path / "run", {"VLLM_REDRAFTER_STEP_LOG": str(steps)})
     assert out["outputs"][0] == [alone[i] for i in LONG]
     assert out["outputs"][1] == subprocess_runs["alone"]["outputs"][ALONE_RUNS["long_continued"]]
     # every second-round request hit the cache past its original prompt: on generated text
@@ -981,7 +881,7 @@ def test_bf16_engine_drafts_trees_where_the_cache_layout_is_known(target_dir, dr
     greedy = {**GREEDY, "max_tokens": 16}
     job = {"engine": engine, "metrics": True, "runs": [{"prompts": prompts[:2], "params": greedy},
                                       {"prompts": prompts[:2], "params": {**greedy, "logprobs": 0}}]}
-    out = generate_in_subprocess(job, tmp_path, extras=True)
+    out = generate_in_subprocess(job, tmp_path)
     metrics = out["metrics_per_run"][0]
     drafts, draft_tokens = (metrics[f"vllm:spec_decode_num_{name}"] for name in (
         "drafts", "draft_tokens"))
@@ -1244,7 +1144,7 @@ def alone_samples(target_dir, exact_prompt, exact_size,
     engine = {**engine_kwargs(target_dir), "kv_cache_memory_bytes": 2 << 30}  # 256 at a time
     out = generate_in_subprocess({"engine": engine, "runs": runs},
                                  tmp_path_factory.mktemp("alone_samples"), {"VLLM_PLUGINS": ""},
-                                 extras=True, timeout=1800)
+                                 timeout=1800)
     path = out["outputs"][0][0]
     return {"path": path, **{arm: [path[:PREFIX] + o for o in outputs]
                              for arm, outputs in zip(ALONE_ARMS, out["outputs"][1:])}}

@@ -182,7 +182,7 @@ def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int],
     policy takes or not (a fixed shape: always)."""
     rng = random.Random(seed)
     ids = tuple(f"{tag}{i}" for i in range(batch))
-    now, verified, draft_seconds, log = 0.0, (), 0.0, []
+    now, verified, draft_seconds, log, emitted = 0.0, (), 0.0, [], 0
     text_rng = random.Random(seed + 1)  # the candidates' draws: rng's sequence stays as without
     depth = policy.max_length - 1 if isinstance(policy, BeamPolicy) else max(policy[1] - 1, 1)
     truth = [[text_rng.randrange(1000) for _ in range(steps * (depth + 1) + 1)] for _ in ids] \
@@ -205,7 +205,7 @@ def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int],
             texts = tuple(offered)
         if isinstance(policy, BeamPolicy):
             choice = policy.step(StepObservation(now, ids, False, verified, draft_seconds,
-                                                 (kind,) * batch, 0, 1 << 30, texts))
+                                                 (kind,) * batch, 0, 1 << 30, texts, emitted))
             (width, length), reason = (choice.width, choice.length), choice.reason
             plain_expected, took = choice.plain_tokens_per_second, choice.candidates
         else:
@@ -228,6 +228,7 @@ def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int],
         drafter_accepted = drafter
         seconds = draft_seconds + m.verify(batch, n) * jitter()
         now += seconds
+        emitted = batch + sum(accepted)
         log.append(SimStep(width, length, batch + sum(accepted), seconds, reason, plain_expected,
                            took))
     return log

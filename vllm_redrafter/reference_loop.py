@@ -74,15 +74,15 @@ class DrafterProposer:
 
 
 class ContextCandidatesProposer:
-    """``inner``'s W beams (None: none) followed by up to ``count`` context candidates of
-    ``length - 1`` tokens found in ``prompt_ids`` + the generated tokens (one prompt's proposer).
+    """``inner``'s W beams (None: none) followed by up to ``count`` context candidates of up to
+    ``tokens`` tokens found in ``prompt_ids`` + the generated tokens (one prompt's proposer).
     Rows shorter than the beams end in ``PAD``; ``rows[i]`` is the drafter's beam count at step i
     (a step's accepted path came from a candidate when ``StepRecord.winning_beam`` >= it)."""
 
-    def __init__(self, inner: Proposer | None, prompt_ids: list[int], count: int, length: int,
+    def __init__(self, inner: Proposer | None, prompt_ids: list[int], count: int, tokens: int,
                  min_n: int = 2, max_n: int = 5) -> None:
         self.inner, self.prompt = inner, list(prompt_ids)
-        self.count, self.length, self.min_n, self.max_n = count, length, min_n, max_n
+        self.count, self.tokens, self.min_n, self.max_n = count, tokens, min_n, max_n
         self.rows: list[int] = []
 
     def __call__(self, h: Tensor, g0: int, generated: list[int]) -> Tensor:
@@ -95,7 +95,7 @@ class ContextCandidatesProposer:
 
     def find(self, context: np.ndarray) -> list[tuple[int, ...]]:
         """The candidates after ``context`` (prompt + generated, g0 last)."""
-        return find_candidates(context, self.count, self.length - 1, self.min_n, self.max_n)
+        return find_candidates(context, self.count, self.tokens, self.min_n, self.max_n)
 
 
 def teacher_forced_beams(reference: list[int], num_generated: int, g0: int, beam_width: int,

@@ -5,7 +5,8 @@ A user writes one JSON object (docs/design.md, The speculative config)::
     {"method": "redrafter", "model": "DRAFTER_DIR",
      "beam_width": 8, "beam_length": 4, "verification": "exact", "beam_policy": "auto",
      "num_speculative_tokens": 24, "step_cost": "CURVE.json", "min_gain": 1.05,
-     "context_candidates": 1, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+     "context_candidates": 1, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+     "prompt_lookup_tokens": 5}
 
 vLLM 0.32.0 knows neither the method nor the extra keys, so :func:`rewrite_speculative_config`
 turns the object into one vLLM accepts: ``method: "custom_class"`` with ``model`` naming our
@@ -54,6 +55,10 @@ gives the measurement behind 1."""
 MAX_CONTEXT_CANDIDATES = 16
 DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX = 2, 5
 """The n-gram lengths a context candidate's match may have (vLLM's ngram defaults to 5, 5)."""
+DEFAULT_LOOKUP_TOKENS = 5
+"""Tokens a context candidate carries, at most, apart from the beam length: the text after a
+match is copied on for as long as it matches, so a candidate pays beyond the drafter's L - 1
+(vLLM's n-gram example drafts 5; docs/context_candidates.md gives the measurement)."""
 MAX_SPECULATIVE_TOKENS = 128
 """vLLM's rejection sampler refuses more draft tokens per request (``MAX_SPEC_LEN``)."""
 
@@ -85,6 +90,7 @@ class ReDrafterSettings:
     context_candidates: int = 0  # most context candidates per request and step (0: none)
     lookup_min: int = DEFAULT_LOOKUP_MIN  # n-gram lengths of a candidate's match
     lookup_max: int = DEFAULT_LOOKUP_MAX
+    lookup_tokens: int = DEFAULT_LOOKUP_TOKENS  # most tokens of a context candidate
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,7 +124,8 @@ def validate_settings(
 
     Reads ``model`` (the drafter dir), ``beam_width``, ``beam_length``, ``verification``,
     ``beam_policy``, ``step_cost``, ``min_gain``, ``num_speculative_tokens``,
-    ``context_candidates``, ``prompt_lookup_min`` and ``prompt_lookup_max``; other keys are
+    ``context_candidates``, ``prompt_lookup_min``, ``prompt_lookup_max`` and
+    ``prompt_lookup_tokens``; other keys are
     ignored here. The drafter's ``config.json`` is checked against the target's dims when they are
     given (no weights read). Context candidates have no draft distribution, so ``rejection``
     verification takes none: 0 by default there, and an explicit count > 0 is refused.
@@ -135,9 +142,12 @@ def validate_settings(
     lookup_max = _int_field("prompt_lookup_max",
                             raw.get("prompt_lookup_max", max(lookup_min, DEFAULT_LOOKUP_MAX)),
                             low=lookup_min)
+    lookup_tokens = _int_field("prompt_lookup_tokens",
+                               raw.get("prompt_lookup_tokens", DEFAULT_LOOKUP_TOKENS), low=1,
+                               high=MAX_SPECULATIVE_TOKENS)
     N = raw.get("num_speculative_tokens")
     if N is None:  # the whole beam set and the candidates, as far as vLLM's sampler allows
-        N = min((W + C) * (L - 1), MAX_SPECULATIVE_TOKENS)
+        N = min(W * (L - 1) + C * lookup_tokens, MAX_SPECULATIVE_TOKENS)
     N = _int_field("num_speculative_tokens", N, low=1, high=MAX_SPECULATIVE_TOKENS)
     _check_length_fits(L, N, where="speculative_config")
     policy = _choice_field("beam_policy", raw.get("beam_policy", "auto"), BEAM_POLICIES)
@@ -152,7 +162,7 @@ def validate_settings(
         step_cost = str(Path(str(step_cost)).resolve())
     min_gain = _float_field("min_gain", raw.get("min_gain", DEFAULT_MIN_GAIN), low=1.0, high=10.0)
     return ReDrafterSettings(str(drafter_dir), W, L, N, verification, policy, step_cost, min_gain,
-                             C, lookup_min, lookup_max)
+                             C, lookup_min, lookup_max, lookup_tokens)
 
 
 def rewrite_speculative_config(
@@ -164,7 +174,7 @@ def rewrite_speculative_config(
 
     >>> d = rewrite_speculative_config({"method": "redrafter", "model": DIR, "beam_width": 2})
     >>> d["method"], d["model"], d["num_speculative_tokens"]
-    ('custom_class', 'vllm_redrafter.vllm_plugin.proposer.ReDrafterProposer', 6)
+    ('custom_class', 'vllm_redrafter.vllm_plugin.proposer.ReDrafterProposer', 11)
 
     ``d["draft_load_config"]`` is a dict ``{"model_loader_extra_config": {"redrafter": {...}}}``
     that vLLM turns into its ``LoadConfig``.
@@ -172,7 +182,7 @@ def rewrite_speculative_config(
     settings = validate_settings(raw, target_hidden_size, target_vocab_size)
     ours = {"method", "model", "beam_width", "beam_length", "verification", "beam_policy",
             "step_cost", "min_gain", "context_candidates", "prompt_lookup_min",
-            "prompt_lookup_max"}
+            "prompt_lookup_max", "prompt_lookup_tokens"}
     out = {key: value for key, value in raw.items() if key not in ours}
     if "draft_load_config" in out:
         raise ReDrafterConfigError(

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from vllm_redrafter import envs
 from vllm_redrafter.beam_policy import (
     BeamPolicy,
     Choice,
@@ -57,11 +58,14 @@ from vllm_redrafter.beam_policy import (
     load_step_cost,
     step_cost_path,
 )
-from vllm_redrafter import envs
 from vllm_redrafter.beam_search import BeamSearchOutput, beam_search
-from vllm_redrafter.context_candidates import ContextIndex, find_candidates, merge_candidates
-from vllm_redrafter.tree import build_tree, truncate_tree
+from vllm_redrafter.context_candidates import (
+    ContextIndex,
+    find_candidates,
+    merge_candidates,
+)
 from vllm_redrafter.drafter import RecurrentDrafter
+from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.vllm_plugin.config import (
     ReDrafterConfigError,
     ReDrafterSettings,
@@ -225,7 +229,8 @@ class ReDrafterProposer:
         observed = None
         if self.policy is not None:  # what the step that just ended showed (its trees verified)
             observed = StepObservation(now, tuple(r.req_id for r in requests),
-                                       not all(sampled_token_ids), verified, self.draft_seconds)
+                                       not all(sampled_token_ids), verified, self.draft_seconds,
+                                       emitted=sum(map(len, sampled_token_ids)))
         self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
         active = [i for i, tokens in enumerate(sampled_token_ids)
@@ -305,12 +310,13 @@ class ReDrafterProposer:
         return out
 
     def _find_candidates(self, requests: Sequence[Any]) -> list[list[tuple[int, ...]]]:
-        """Each request's context candidates, up to its most and as long as its beams may be; a
-        failing lookup costs that request's candidates, never the request."""
+        """Each request's context candidates, up to its most, each at most
+        ``prompt_lookup_tokens`` long and not past ``max_tokens``; a failing lookup costs that
+        request's candidates, never the request."""
         found = []
         for r in requests:
             s = self._request_settings(r)
-            length = min(s.beam_length, _tokens_left(r)) - 1
+            length = min(self.settings.lookup_tokens, _tokens_left(r) - 1)
             try:
                 found.append(list(self.candidate_source(r, s.context_candidates, length))
                              if s.context_candidates and length > 0 else [])
@@ -378,20 +384,11 @@ class ReDrafterProposer:
             tokens, parent, depth, num, ok = (tree.tokens.tolist(), tree.parent.tolist(),
                                               tree.depth.tolist(), tree.num_packed.tolist(),
                                               finite.tolist())  # the step's host transfer
-        vocab = self.model_config.get_vocab_size()
-        trees: list[RequestTree | None] = []
-        for b, shape in enumerate(shapes):
-            n = num[b]
-            if not ok[b] or not all(0 <= t < vocab for t in tokens[b][:n]):
-                self._note_failure("produced non-finite scores or out-of-vocabulary tokens")
-                trees.append(None)
-                continue
-            extra = None
-            if shape.verification == "rejection":
-                extra = self._rejection_extra(tree, out, b, W_max, L_max)
-            trees.append(RequestTree(tuple(tokens[b][:n]), tuple(parent[b][:n]),
-                                     tuple(depth[b][:n]), shape.verification, extra))
-        return trees
+        packed = (tokens, parent, depth, num)
+        return [self._request_tree(packed, b, ok[b], shape.verification,
+                                   self._rejection_extra(tree, out, b, W_max, L_max)
+                                   if shape.verification == "rejection" else None)
+                for b, shape in enumerate(shapes)]
 
     def _merged_trees(
         self, h: Tensor, last_tokens: list[int], shapes: list[RequestSettings],
@@ -429,15 +426,10 @@ class ReDrafterProposer:
             tokens, parent, depth, num, unpack = (
                 tree.tokens.tolist(), tree.parent.tolist(), tree.depth.tolist(),
                 tree.num_packed.tolist(), tree.unpack_index.tolist())
-        vocab = self.model_config.get_vocab_size()
+        packed = (tokens, parent, depth, num)
         trees: list[RequestTree | None] = []
         for b, shape in enumerate(shapes):
-            n = num[b]
-            if not ok[b] or not all(0 <= t < vocab for t in tokens[b][:n]):
-                self._note_failure("produced non-finite scores or out-of-vocabulary tokens")
-                trees.append(None)
-                continue
-            mine = {0} | {j for row in unpack[b][: widths[b]] for j in row if 0 <= j < n}
+            mine = {0} | {j for row in unpack[b][: widths[b]] for j in row if 0 <= j < num[b]}
             extra = None
             if shape.verification == "rejection" and out is not None:
                 j = drafting.index(b)
@@ -445,10 +437,26 @@ class ReDrafterProposer:
                     build_tree(out.beams[j: j + 1], torch.tensor([widths[b]], device=device),
                                torch.tensor([lengths[b]], device=device)),
                     out, j, out.beams.shape[1], out.beams.shape[2], one_request=True)
-            trees.append(RequestTree(tuple(tokens[b][:n]), tuple(parent[b][:n]),
-                                     tuple(depth[b][:n]), shape.verification, extra,
-                                     tuple(j in mine for j in range(n))))
+            trees.append(self._request_tree(packed, b, ok[b], shape.verification, extra, mine))
         return trees
+
+    def _request_tree(
+        self, packed: tuple[list, list, list, list], b: int, ok: bool, mode: str, extra: object,
+        drafter_nodes: set[int] | None = None,
+    ) -> RequestTree | None:
+        """Request b's tree from the batch's packed lists (tokens, parent, depth, num_packed),
+        with ``drafter_nodes`` the packed nodes a drafter beam carries (None: all); None, and
+        the failure noted, where the drafter gave non-finite scores or a token outside the
+        vocabulary (the request then steps without drafts)."""
+        tokens, parent, depth, num = packed
+        n = num[b]
+        vocab = self.model_config.get_vocab_size()
+        if not ok or not all(0 <= t < vocab for t in tokens[b][:n]):
+            self._note_failure("produced non-finite scores or out-of-vocabulary tokens")
+            return None
+        from_drafter = () if drafter_nodes is None else tuple(j in drafter_nodes for j in range(n))
+        return RequestTree(tuple(tokens[b][:n]), tuple(parent[b][:n]), tuple(depth[b][:n]), mode,
+                           extra, from_drafter)
 
     @staticmethod
     def _rejection_extra(tree, out: BeamSearchOutput, b: int, width: int, length: int,
