@@ -28,7 +28,7 @@ Arms (``--arms``, vLLM alone always in):
   ``--beam-length`` and ``--beam-policy`` (default W=1 L=3 fixed, the demo's shape), without
   context candidates; ``redrafter_ctx``: the same with ``--context-candidates`` (default 1).
 - ``redrafter_auto``: what a user gets out of the box: ``{"method": "redrafter", "model": DIR}``
-  and nothing else (beam policy ``auto`` within the default W=8 L=4, one context candidate). It
+  and nothing else (beam policy ``auto`` within the default W=4 L=4, one context candidate). It
   learns this machine's costs while it runs: the JSON lists any step-cost curve in the cache
   (``cached_step_cost_curves``; none means it started from nothing).
 
