@@ -91,9 +91,9 @@ class PolicyConfig:
     tokens/s its drafting steps delivered (drafter beams or context candidates, all costs in)
     is set against what its plain steps delivered; where drafting delivered less than
     ``min_gain`` x that (by more than its standard error: at batch 1 a drafting step's tokens
-    vary), the bucket drafts nothing until the next judgement. The model (line, acceptance) misses costs it does
-    not see: on the EPYC, 2026-11-27, steps with both a chain and candidates at batch 4 took
-    76 ms against the 48 of the chain alone. 0: no safety net."""
+    vary), the bucket drafts nothing until the next judgement. The model (line, acceptance)
+    misses costs it does not see: on the EPYC, 2026-11-27, steps with both a chain and
+    candidates at batch 4 took 76 ms against the 48 of the chain alone. 0: no safety net."""
     guard_block: int = 3
     """Steps of each ``guard_every`` that keep measuring the other side: the last ones before a
     judgement are plain while drafting, the first ones after it draft while guarded. The first
@@ -489,7 +489,8 @@ class BeamPolicy:
             return choice  # exploring goes on under the net: the model's own learning
         b = self._bucket(n)
         phase = b.steps % cfg.guard_every  # b.steps counts this step already (_take)
-        if phase == 0:
+        if phase == 0:  # judged where the model would draft (judged on stale figures while
+            # it does not, a bucket would stay held once drafting pays again)
             plain, drafting = b.delivered[False].rate(), b.delivered[True].rate()
             b.guarded = (plain is not None and drafting is not None  # surely below the bar
                          and drafting + b.delivered[True].error() < cfg.min_gain * plain)
