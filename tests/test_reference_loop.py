@@ -74,17 +74,22 @@ def test_teacher_forced_tree_loop_matches_target_greedy(target, prompts_and_refe
     assert torch.equal(model.lm_head(h).argmax(-1), g0)
 
 
-def test_drafter_tree_loop_matches_target_greedy(target, prompts_and_references):
-    """A real (untrained) drafter's beams through the same loop: still the target's output."""
-    model, tokenizer = target
-    prompts, references = prompts_and_references
+def untrained_drafter(model) -> RecurrentDrafter:
+    """A drafter with random weights (seed 0) for the target: it accepts next to nothing."""
     config = model.config
     torch.manual_seed(0)
-    drafter = RecurrentDrafter(
+    return RecurrentDrafter(
         DrafterConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                       exit_dim=2 * config.hidden_size, num_draft_layers=1, draft_vocab_size=512),
         embedding=model.get_input_embeddings(),
     ).eval()
+
+
+def test_drafter_tree_loop_matches_target_greedy(target, prompts_and_references):
+    """A real (untrained) drafter's beams through the same loop: still the target's output."""
+    model, tokenizer = target
+    prompts, references = prompts_and_references
+    drafter = untrained_drafter(model)
     proposer = DrafterProposer(drafter, beam_width=4, beam_length=3)
     for prompt, reference in list(zip(prompts, references))[:3]:
         result = speculative_generate(model, prompt, proposer, 24, tokenizer.eos_token_id)
@@ -105,13 +110,7 @@ def test_context_candidates_keep_the_target_greedy_output(target, prompts_and_re
     steps, and far less often with candidates one token late (same output)."""
     model, tokenizer = target
     prompts, references = prompts_and_references
-    config = model.config
-    torch.manual_seed(0)
-    drafter = RecurrentDrafter(
-        DrafterConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                      exit_dim=2 * config.hidden_size, num_draft_layers=1, draft_vocab_size=512),
-        embedding=model.get_input_embeddings(),
-    ).eval()
+    drafter = untrained_drafter(model)
     won = {}
     for name, kind in (("right", ContextCandidatesProposer), ("late", OneTokenLate)):
         won[name] = 0

@@ -235,8 +235,10 @@ class ReDrafterProposer:
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
         active = [i for i, tokens in enumerate(sampled_token_ids)
                   if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
-        found = self._find_candidates([requests[i] for i in active])
-        shapes = self._shapes([requests[i] for i in active], cap,
+        pending = [requests[i] for i in active]
+        settings = [self._request_settings(r) for r in pending]  # once per request and step
+        found = self._find_candidates(pending, settings)
+        shapes = self._shapes(pending, settings, cap,
                               others=len(sampled_token_ids) - len(active), observed=observed,
                               found=found, drafter_accepted=drafter_accepted)
         found = [f[: s.context_candidates] for f, s in zip(found, shapes) if s is not None]
@@ -266,7 +268,8 @@ class ReDrafterProposer:
             self._log_step(now, sampled_token_ids, requests, drafts)
         return drafts
 
-    def _shapes(self, requests: Sequence[Any], cap: int, others: int = 0,
+    def _shapes(self, requests: Sequence[Any], settings: Sequence[RequestSettings], cap: int,
+                others: int = 0,
                 observed: StepObservation | None = None,
                 found: Sequence[Sequence[tuple[int, ...]]] | None = None,
                 drafter_accepted: dict[str, int] | None = None) -> list[RequestSettings | None]:
@@ -280,7 +283,7 @@ class ReDrafterProposer:
         tokens a request may still emit; without tree attention they are chains (a request's
         candidates then only where the drafter drafts nothing, one).
         """
-        shapes = [self._request_settings(r) for r in requests]
+        shapes = list(settings)  # each request's own (extra_args) or the engine's
         found = found if found is not None else [[] for _ in requests]
         if self.policy is not None and observed is not None:
             kinds = tuple(_kind(r) for r, s in zip(requests, shapes) if not s.own_shape)
@@ -309,13 +312,13 @@ class ReDrafterProposer:
                 context_candidates=count))
         return out
 
-    def _find_candidates(self, requests: Sequence[Any]) -> list[list[tuple[int, ...]]]:
+    def _find_candidates(self, requests: Sequence[Any], settings: Sequence[RequestSettings]
+                         ) -> list[list[tuple[int, ...]]]:
         """Each request's context candidates, up to its most, each at most
         ``prompt_lookup_tokens`` long and not past ``max_tokens``; a failing lookup costs that
         request's candidates, never the request."""
         found = []
-        for r in requests:
-            s = self._request_settings(r)
+        for r, s in zip(requests, settings):
             length = min(self.settings.lookup_tokens, _tokens_left(r) - 1)
             try:
                 found.append(list(self.candidate_source(r, s.context_candidates, length))
@@ -348,15 +351,15 @@ class ReDrafterProposer:
             if not tokens or shape is None:
                 continue
             tree = self.trees[request.req_id]
-            drafter_nodes = sum(tree.from_drafter) if tree.from_drafter else len(tree.tokens)
+            extra = tree.candidate_nodes
             path = tree.accepted_path(tokens[:-1])
             depth = tree.drafter_depth(path)
             drafter_accepted[request.req_id] = depth
-            extra = len(tree.tokens) - drafter_nodes
             self.num_candidate_trees += extra > 0
             self.num_candidate_wins += len(path) - 1 > depth
             self.num_candidate_tokens += len(path) - 1 - depth
-            verified.append(VerifiedTree(_kind(request), *shape, drafter_nodes, depth, extra))
+            verified.append(VerifiedTree(_kind(request), *shape, len(tree.tokens) - extra, depth,
+                                         extra))
         return tuple(verified), drafter_accepted
 
     def _trees(
@@ -502,9 +505,8 @@ class ReDrafterProposer:
                                   "emitted": [len(t) for t in sampled_token_ids],
                                   "drafted": sum(bool(d) for d in drafts),
                                   "nodes": sum(len(d) for d in drafts),
-                                  "candidate_nodes": sum(len(t.tokens) - sum(t.from_drafter)
-                                                         for t in self.trees.values()
-                                                         if t.from_drafter)}
+                                  "candidate_nodes": sum(t.candidate_nodes
+                                                         for t in self.trees.values())}
         if self.policy is not None and self.choice is not None:
             choice = self.choice
             record.update(shape=[choice.width, choice.length], reason=choice.reason,
@@ -533,8 +535,7 @@ class ReDrafterProposer:
                 target_argmax=top,
                 drafts=tuple(drafts[i]),
                 parents=self.trees[requests[i].req_id].parent if drafts[i] else (),
-                candidate_nodes=(sum(not f for f in self.trees[requests[i].req_id].from_drafter)
-                                 if drafts[i] else 0),
+                candidate_nodes=self.trees[requests[i].req_id].candidate_nodes if drafts[i] else 0,
             ))
 
 

@@ -40,6 +40,11 @@ class RequestTree:
     # candidate); () = every node is the drafter's
 
     @property
+    def candidate_nodes(self) -> int:
+        """Nodes only context candidates carry (on no drafter beam)."""
+        return sum(not f for f in self.from_drafter)
+
+    @property
     def drafts(self) -> list[int]:
         """The draft token list vLLM schedules after the root."""
         return list(self.tokens[1:])
