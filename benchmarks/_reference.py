@@ -90,6 +90,7 @@ def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list
     steps, accepted, hist, won = 0, 0, [0] * depth, 0
     response_tokens: list[int] = []
     by_category: dict[str, list[int]] = {}  # category -> [steps, accepted]
+    tokens_by_category: dict[str, list[int]] = {}
     for i, question in enumerate(prompts):
         prompt_ids = chat_prompt_ids(tokenizer, question)
         propose = proposer
@@ -102,7 +103,9 @@ def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list
             won += sum(s.num_accepted > 0 and s.winning_beam >= rows
                        for s, rows in zip(result.steps, propose.rows))
         response_tokens += result.tokens
-        tally = by_category.setdefault(categories[i] if categories else "all", [0, 0])
+        category = categories[i] if categories else "all"
+        tokens_by_category.setdefault(category, []).extend(result.tokens)
+        tally = by_category.setdefault(category, [0, 0])
         for step in result.steps:
             steps += 1
             accepted += step.num_accepted
@@ -111,7 +114,10 @@ def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list
             tally[1] += step.num_accepted
     draft_ids = (drafter.draft_vocab_ids if drafter.config.draft_vocab_size
                  else torch.arange(drafter.config.vocab_size)).cpu()
-    tokens = torch.tensor(response_tokens)
+
+    def in_draft_vocab(ids: list[int]) -> float:
+        return float(torch.isin(torch.tensor(ids), draft_ids).double().mean())
+
     return {
         "beam_width": beam_width, "beam_length": beam_length, "prompts": len(prompts),
         "steps": steps, "tokens_per_step": (accepted + steps) / max(steps, 1),
@@ -121,8 +127,10 @@ def run_reference(target_dir: str | Path, drafter_dir: str | Path, prompts: list
         **({"candidate_tokens": candidate_tokens} if context_candidates else {}),
         "draft_ms_per_step": (1000 * sum(proposer.seconds) / max(len(proposer.seconds), 1)
                               if proposer else 0.0),
-        "response_tokens_in_draft_vocab": float(torch.isin(tokens, draft_ids).double().mean()),
+        "response_tokens_in_draft_vocab": in_draft_vocab(response_tokens),
         "draft_vocab_size": int(draft_ids.numel()),
-        **({"tokens_per_step_by_category": {c: (a + n) / max(n, 1) for c, (n, a) in by_category.items()}}
+        **({"tokens_per_step_by_category": {c: (a + n) / max(n, 1) for c, (n, a) in by_category.items()},
+            "response_tokens_in_draft_vocab_by_category": {
+                c: in_draft_vocab(ids) for c, ids in tokens_by_category.items()}}
            if categories else {}),
     }

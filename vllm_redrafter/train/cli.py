@@ -23,7 +23,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``train`` subcommand on an ``argparse`` subparsers object."""
     p = subparsers.add_parser("train", help="train a ReDrafter drafter by distillation from a target",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="default", help="default | shipped | medium | quick")
+    p.add_argument("--recipe", default="default", help="default | shipped | broad | medium | quick")
     p.add_argument("--target", type=Path, default=None,
                    help="target model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dataset", default=None,
@@ -33,7 +33,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--builtin", type=_builtin_counts, default=None,
                    help="the built-in dataset's prompts per source, e.g. templated=150,documents=90 "
                         "(sources: templated, text, self_instruct, documents, constrained, detailed, "
-                        "specific, written, written_2 ... written_6; and seed): one "
+                        "specific, written, written_2 ... written_7; and seed): one "
                         "built-in dataset, the recipe's first with these counts")
     p.add_argument("--output-dir", type=Path, required=True, help="where the drafter is written")
     p.add_argument("--overwrite", action="store_true", help="replace a drafter/run in --output-dir")

@@ -68,6 +68,7 @@ class BuiltinSpec:
     written_4: int = 0  # a fourth (written_prompts_4.jsonl)
     written_5: int = 0  # a fifth (written_prompts_5.jsonl)
     written_6: int = 0  # a sixth (written_prompts_6.jsonl)
+    written_7: int = 0  # a seventh: other kinds of work than MT-Bench's (written_prompts_7.jsonl)
 
 
 @dataclass(frozen=True)

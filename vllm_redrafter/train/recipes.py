@@ -8,6 +8,10 @@ dtype); ``get_recipe`` looks one up and ``with_overrides`` replaces single field
     fine-tuned for one epoch at lr 2e-4 on seven more built-in datasets with 128-token answers:
     specific requests, a second draw of ``default``'s first dataset's kinds (so the base does not
     forget them), and the five written stocks ``written`` .. ``written_5``.
+``broad``: ``shipped``'s drafter (found finished in OUTPUT/work/base, or trained there first)
+    fine-tuned for one epoch at lr 2e-4 on other kinds of work than MT-Bench's (written stock 7:
+    translation, summarization, extraction, QA over a passage, math, code, answers over retrieved
+    documents) and half of written stock 6 (MT-Bench's kinds, so the drafter keeps them).
 ``default``: the from-scratch recipe (what ``train`` runs without ``--recipe``) and the base of
     ``shipped``: three built-in local datasets (prompts.py, detailed_prompts.py; no network, never
     the MT-Bench questions), each built and cached on its own. Two ResBlocks, K = 5,632 (19.7 MB
@@ -95,6 +99,16 @@ RECIPES: dict[str, Recipe] = {
                     _answers_128(seed=0, written=1358), _answers_128(seed=0, written_2=680),
                     _answers_128(seed=0, written_3=2397), _answers_128(seed=0, written_4=2396),
                     _answers_128(seed=0, written_5=2557)),
+    ),
+    "broad": Recipe(
+        name="broad",
+        data=_answers_128(seed=0, written_6=1280),
+        drafter=DrafterSpec(num_draft_layers=2, draft_vocab_size=5632, head_init="random",
+                            init_from="recipe:shipped"),
+        train=TrainConfig(epochs=1.0, batch_size=1024, lr=2e-4, warmup_steps=20, save_every=50,
+                          soft_label_weight=0.5),
+        save_dtype="float16",
+        extra_data=(_answers_128(seed=0, written_7=1554),),
     ),
     "medium": Recipe(
         name="medium",
