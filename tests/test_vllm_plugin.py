@@ -1093,7 +1093,8 @@ PREFIX = 4  # the compared tokens follow tokens 1-4 = vLLM alone's greedy " H , 
 ALONE_ARMS = {"t1": {"temperature": 1.0},  # arm: sampling params
               "t07_p09_k5": {"temperature": 0.7, "top_p": 0.9, "top_k": 5}}
 EXACT_ARMS = {"t1": ("t1", (4, 4)), "t07_p09_k5": ("t07_p09_k5", (4, 4)),  # arm: (vLLM alone
-              "chain_t1": ("t1", (1, 4))}                                   # arm, (W, L))
+              "chain_t1": ("t1", (1, 4)),                                   # arm, (W, L))
+              "candidate_t1": ("t1", (1, 4))}  # a junk chain; the path on a context candidate
 
 
 @dataclass(frozen=True)
@@ -1111,9 +1112,10 @@ class ExactSize:
 # CI's size; ``pytest --exactness-full`` (benchmarks/exactness.py) runs the full one
 EXACT_SIZES = {
     "ci": ExactSize(0.1, {"t1": 2400, "t07_p09_k5": 1500},
-                    {"t1": 900, "t07_p09_k5": 600, "chain_t1": 900}),
+                    {"t1": 900, "t07_p09_k5": 600, "chain_t1": 900, "candidate_t1": 900}),
     "full": ExactSize(0.05, {"t1": 9000, "t07_p09_k5": 6000},
-                      {"t1": 3200, "t07_p09_k5": 2400, "chain_t1": 3200}),
+                      {"t1": 3200, "t07_p09_k5": 2400, "chain_t1": 3200,
+                       "candidate_t1": 3200}),
 }
 SAMPLING_MUTATIONS = ("SKIP_KV_MOVE", "BONUS_AT_DEPTH_ROW", "CAUSAL_TREE_MASK")
 
@@ -1157,12 +1159,14 @@ class ForcedPathBeams:
     only at a request's first decode step after token 1 = p1 (:func:`draft_first_step_only`),
     with g0 = p1. W = 4: beam 0 = junk, beam 1 = p2 p3 junk, beam 2 = p2 p3 p4, beam 3 = beam 0's
     first two junk nodes then another: 9 packed nodes, the target's path at packed 4, 5, 7 (not
-    beam 0's 1, 2, 3). W = 1: the chain p2 p3 p4. With ``q`` set, the beams also carry a draft
-    distribution putting 1/2 on each drafted token: what the p/q rejection mode reads.
+    beam 0's 1, 2, 3). W = 1: the chain p2 p3 p4, or with ``junk_chain`` three junk tokens (the
+    path then comes from a context candidate: :func:`forced_candidate`). With ``q`` set, the
+    beams also carry a draft distribution putting 1/2 on each drafted token: what the p/q
+    rejection mode reads.
     """
 
-    def __init__(self, path: list[int], q: bool = False):
-        self.path, self.q = path, q
+    def __init__(self, path: list[int], q: bool = False, junk_chain: bool = False):
+        self.path, self.q, self.junk_chain = path, q, junk_chain
 
     def __call__(self, h, g0, beam_width, beam_length, requests):
         from vllm_redrafter.beam_search import BeamSearchOutput
@@ -1170,7 +1174,8 @@ class ForcedPathBeams:
         W = int(beam_width.max()) if torch.is_tensor(beam_width) else int(beam_width)
         L = int(beam_length.max()) if torch.is_tensor(beam_length) else int(beam_length)
         p, j = self.path, JUNK
-        rows = ([[p[0], p[1], p[2], p[3]]] if W == 1 else
+        rows = ([[p[0], j[0], j[1], j[2]] if self.junk_chain else [p[0], p[1], p[2], p[3]]]
+                if W == 1 else
                 [[p[0], j[0], j[1], j[2]], [p[0], p[1], p[2], j[3]], [p[0], p[1], p[2], p[3]],
                  [p[0], j[0], j[1], j[4]]])
         assert bool((g0 == p[0]).all()) and W == len(rows) and L <= 4, (g0, W, L)
@@ -1183,7 +1188,8 @@ class ForcedPathBeams:
                                 log_probs=log_probs)
 
 
-def draft_first_step_only(proposer, path: list[int], monkeypatch, q: bool = False) -> None:
+def draft_first_step_only(proposer, path: list[int], monkeypatch, q: bool = False,
+                          junk_chain: bool = False) -> None:
     """Drafts only at a request's first decode step, and only after token 1 = path[0]."""
     shapes = proposer._shapes
 
@@ -1193,23 +1199,39 @@ def draft_first_step_only(proposer, path: list[int], monkeypatch, q: bool = Fals
                 for s, r in zip(chosen, requests)]
 
     monkeypatch.setattr(proposer, "_shapes", first_step)
-    proposer.beam_source = ForcedPathBeams(path, q)
+    proposer.beam_source = ForcedPathBeams(path, q, junk_chain)
+
+
+def forced_candidate(proposer, path: list[int]) -> None:
+    """The context candidate source finds p2 p3 p4 after token 1 = path[0], nothing else: beside
+    the junk chain its nodes are packed 4, 5, 6, so taking the path moves their KV."""
+
+    def source(request, count: int, length: int) -> list[tuple[int, ...]]:
+        found = list(request.output_token_ids) == path[:1] and count > 0
+        return [tuple(path[1:1 + min(3, length)])] if found else []
+
+    proposer.candidate_source = source
 
 
 def forced_tree_samples(llm, proposer, prompt, path, arm, n, monkeypatch, verification="exact"):
     """Our n seeded samples of ``arm`` and the verifier's counters over them."""
     alone_arm, (W, L) = EXACT_ARMS[arm]
-    draft_first_step_only(proposer, path, monkeypatch, q=verification == "rejection")
+    with_candidate = arm.startswith("candidate")
+    draft_first_step_only(proposer, path, monkeypatch, q=verification == "rejection",
+                          junk_chain=with_candidate)
+    if with_candidate:
+        forced_candidate(proposer, path)
     proposer.trace = None  # (its LM head per request and step would cost more than the test)
-    shape = {"extra_args": {**beam_shape(W, L)["extra_args"],
+    shape = {"extra_args": {**beam_shape(W, L)["extra_args"], **candidates(int(with_candidate)),
                             "redrafter_verification": verification}}
     params = [{**ALONE_ARMS[alone_arm], "seed": SEED_OFFSET + i, "max_tokens": EXACT_MAX_TOKENS,
                **shape} for i in range(n)]
-    before = verifier_counts(llm)
+    before = {**verifier_counts(llm), **candidate_counts(proposer)}
     start = time.monotonic()
     outputs = generate(llm, [prompt] * n, params)
     seconds = time.monotonic() - start
-    counts = {k: v - before[k] for k, v in verifier_counts(llm).items()}
+    after = {**verifier_counts(llm), **candidate_counts(proposer)}
+    counts = {k: v - before[k] for k, v in after.items()}
     return [list(o.outputs[0].token_ids) for o in outputs], counts, seconds
 
 
@@ -1316,7 +1338,8 @@ def test_prompt_leaves_room_for_bias(alone_samples):
 @pytest.mark.parametrize("arm", list(EXACT_ARMS))
 def test_tree_sampling_matches_vllm_alone(llm, proposer, exact_prompt, alone_samples, arm,
                                           exact_size, monkeypatch):
-    """Tokens 5 and 6 after a tree step that left beam 0 (W = 4; the chain arm: a W = 1 chain)
+    """Tokens 5 and 6 after a tree step that left beam 0 (W = 4; the chain arm: a W = 1 chain;
+    the candidate arm: a junk W = 1 chain beside a context candidate carrying the path)
     distributed as vLLM alone samples them; the test has power >= MIN_POWER against any bias of
     total variation exact_size.tv of the binned pair."""
     (alone_arm, (W, _)), n = EXACT_ARMS[arm], exact_size.ours[arm]
@@ -1335,6 +1358,9 @@ def test_tree_sampling_matches_vllm_alone(llm, proposer, exact_prompt, alone_sam
     if W > 1:  # every compared pair came after a tree step that left beam 0
         assert counts["num_branching_verifications"] == counts["num_tree_verifications"]
         assert counts["num_kv_moves"] >= len(ours)
+    if arm.startswith("candidate"):  # every compared pair came off the candidate's nodes
+        assert counts["num_candidate_trees"] >= counts["num_tree_verifications"]
+        assert counts["num_candidate_wins"] >= len(ours) and counts["num_kv_moves"] >= len(ours)
     assert power >= MIN_POWER
     assert p_value > ALPHA
 
