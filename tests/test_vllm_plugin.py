@@ -608,7 +608,7 @@ def test_steps_without_drafts_sample_as_vllm_alone(llm, proposer, prompts, alone
         monkeypatch.setattr(owner, name,
                             lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
     monkeypatch.setattr(proposer, "_shapes",
-                        lambda requests, cap, **kwargs: [None] * len(requests))
+                        lambda requests, *args, **kwargs: [None] * len(requests))
     outputs = generate(llm, prompts[:4], [SEEDED] * 4)
     assert [list(o.outputs[0].token_ids) for o in outputs] == alone_seeded
     assert calls == [] and not any(r.drafts for r in proposer.trace)
@@ -642,7 +642,7 @@ def test_seeded_prompts_prefilled_in_chunks_sample_as_vllm_alone(llm, proposer, 
 
     monkeypatch.setattr(runner, "_bookkeeping_sync", recording)
     monkeypatch.setattr(proposer, "_shapes",
-                        lambda requests, cap, **kwargs: [None] * len(requests))
+                        lambda requests, *args, **kwargs: [None] * len(requests))
     outputs = generate(llm, fillers + prompts[:4],
                        [dict(temperature=0.0, max_tokens=1)] * len(fillers) + [SEEDED] * 4)
     assert discarded, "no seeded prompt was prefilled in chunks"
