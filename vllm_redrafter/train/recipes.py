@@ -73,6 +73,17 @@ def _answers_128(seed: int, **counts: int) -> DataSpec:
                     max_len=1024, heldout_fraction=0.03, builtin=builtin)
 
 
+def _fine_tune(name: str, init_from: str, data: DataSpec, extra_data: tuple[DataSpec, ...],
+               save_every: int) -> Recipe:
+    """A stage on a trained drafter (its shape kept): one epoch at lr 2e-4, soft labels at 0.5."""
+    return Recipe(
+        name=name, data=data, save_dtype="float16", extra_data=extra_data,
+        drafter=DrafterSpec(num_draft_layers=2, draft_vocab_size=5632, head_init="random",
+                            init_from=init_from),
+        train=TrainConfig(epochs=1.0, batch_size=1024, lr=2e-4, warmup_steps=20,
+                          save_every=save_every, soft_label_weight=0.5))
+
+
 RECIPES: dict[str, Recipe] = {
     "default": Recipe(
         name="default",
@@ -86,30 +97,15 @@ RECIPES: dict[str, Recipe] = {
         save_dtype="float16",
         extra_data=(_answers_128(seed=0, detailed=3200), _answers_128(seed=1, detailed=4000)),
     ),
-    "shipped": Recipe(
-        name="shipped",
-        data=_answers_128(seed=0, specific=4000),
-        drafter=DrafterSpec(num_draft_layers=2, draft_vocab_size=5632, head_init="random",
-                            init_from="recipe:default"),
-        train=TrainConfig(epochs=1.0, batch_size=1024, lr=2e-4, warmup_steps=20, save_every=100,
-                          soft_label_weight=0.5),
-        save_dtype="float16",
-        extra_data=(_answers_128(seed=1, templated=200, self_instruct=1000, documents=300,
-                                 constrained=300),
-                    _answers_128(seed=0, written=1358), _answers_128(seed=0, written_2=680),
-                    _answers_128(seed=0, written_3=2397), _answers_128(seed=0, written_4=2396),
-                    _answers_128(seed=0, written_5=2557)),
-    ),
-    "broad": Recipe(
-        name="broad",
-        data=_answers_128(seed=0, written_6=1280),
-        drafter=DrafterSpec(num_draft_layers=2, draft_vocab_size=5632, head_init="random",
-                            init_from="recipe:shipped"),
-        train=TrainConfig(epochs=1.0, batch_size=1024, lr=2e-4, warmup_steps=20, save_every=50,
-                          soft_label_weight=0.5),
-        save_dtype="float16",
-        extra_data=(_answers_128(seed=0, written_7=1554),),
-    ),
+    "shipped": _fine_tune(
+        "shipped", "recipe:default", _answers_128(seed=0, specific=4000),
+        (_answers_128(seed=1, templated=200, self_instruct=1000, documents=300, constrained=300),
+         _answers_128(seed=0, written=1358), _answers_128(seed=0, written_2=680),
+         _answers_128(seed=0, written_3=2397), _answers_128(seed=0, written_4=2396),
+         _answers_128(seed=0, written_5=2557)),
+        save_every=100),
+    "broad": _fine_tune("broad", "recipe:shipped", _answers_128(seed=0, written_6=1280),
+                        (_answers_128(seed=0, written_7=1554),), save_every=50),
     "medium": Recipe(
         name="medium",
         data=DataSpec(dataset="builtin", labels="self", num_draft_tokens=5, response_tokens=192,
