@@ -677,6 +677,33 @@ def test_failing_drafter_falls_back_to_no_drafts(llm, proposer, prompts, alone):
     assert any(r.drafts for r in proposer.trace)  # the good steps still drafted
 
 
+def test_failing_step_planning_costs_drafts_only(llm, proposer, prompts, alone, monkeypatch):
+    """The beam policy's choice and the candidate lookup raise on alternate steps: the output
+    is unchanged, those steps draft nothing, the others still draft (the engine lives on)."""
+    shapes, find = proposer._shapes, proposer._find_candidates
+    step = {"n": 0}
+
+    def faulty_shapes(*args, **kwargs):
+        step["n"] += 1
+        if step["n"] % 2 == 0:
+            raise RuntimeError("injected beam policy failure")
+        return shapes(*args, **kwargs)
+
+    def faulty_find(*args, **kwargs):
+        if step["n"] % 4 == 1:
+            raise RuntimeError("injected candidate lookup failure")
+        return find(*args, **kwargs)
+
+    monkeypatch.setattr(proposer, "_shapes", faulty_shapes)
+    monkeypatch.setattr(proposer, "_find_candidates", faulty_find)
+    failed_before, traced_before = proposer.num_failed_steps, len(proposer.trace)
+    outputs = generate(llm, prompts[:4], [{**GREEDY, "max_tokens": 32}] * 4)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [a[:32] for a in alone[:4]]
+    assert proposer.num_failed_steps - failed_before >= step["n"] // 2
+    steps = proposer.trace[traced_before:]
+    assert any(not r.drafts for r in steps) and any(r.drafts for r in steps)
+
+
 def test_bad_request_override_fails_that_request_only(llm, prompts):
     from vllm.exceptions import VLLMValidationError
 

@@ -225,22 +225,28 @@ class ReDrafterProposer:
         """
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         now = time.perf_counter()
-        verified, drafter_accepted = self._observe_verified(sampled_token_ids, requests)
-        observed = None
-        if self.policy is not None:  # what the step that just ended showed (its trees verified)
-            observed = StepObservation(now, tuple(r.req_id for r in requests),
-                                       not all(sampled_token_ids), verified, self.draft_seconds,
-                                       emitted=sum(map(len, sampled_token_ids)))
-        self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
         cap = self.settings.num_speculative_tokens if max_num_drafts is None else max_num_drafts
         active = [i for i, tokens in enumerate(sampled_token_ids)
                   if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
         pending = [requests[i] for i in active]
-        settings = [self._request_settings(r) for r in pending]  # once per request and step
-        found = self._find_candidates(pending, settings)
-        shapes = self._shapes(pending, settings, cap,
-                              others=len(sampled_token_ids) - len(active), observed=observed,
-                              found=found, drafter_accepted=drafter_accepted)
+        try:  # what the last step showed, the candidates, the policy's choice: a failure costs drafts
+            verified, drafter_accepted = self._observe_verified(sampled_token_ids, requests)
+            observed = None
+            if self.policy is not None:  # what the step that just ended showed (its trees verified)
+                observed = StepObservation(now, tuple(r.req_id for r in requests),
+                                           not all(sampled_token_ids), verified,
+                                           self.draft_seconds,
+                                           emitted=sum(map(len, sampled_token_ids)))
+            self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
+            settings = [self._request_settings(r) for r in pending]  # once per request and step
+            found = self._find_candidates(pending, settings)
+            shapes = self._shapes(pending, settings, cap,
+                                  others=len(sampled_token_ids) - len(active), observed=observed,
+                                  found=found, drafter_accepted=drafter_accepted)
+        except Exception:
+            self._note_failure("'s step planning raised", exc_info=True)
+            self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
+            found, shapes = [], [None] * len(active)
         found = [f[: s.context_candidates] for f, s in zip(found, shapes) if s is not None]
         active = [i for i, s in zip(active, shapes) if s is not None]
         shapes = [s for s in shapes if s is not None]
