@@ -46,10 +46,16 @@ def _interpret_on_cpu(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
 RUNNABLE = CUDA or INTERPRETED
-DEVICE = "cuda" if CUDA else "cpu"
+DEVICE = "cuda" if CUDA else "cpu"  # where the kernels run: the GPU, else the interpreter's CPU
 needs_kernels = pytest.mark.skipif(
     not RUNNABLE, reason="triton was imported without TRITON_INTERPRET=1 (test_kernels_run_in_this_process fails)"
 )
+
+
+def dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Kernel inputs built on the CPU, moved to where the kernels run (the references stay on the
+    CPU: an output is compared there)."""
+    return [t.to(DEVICE) for t in tensors]
 
 
 def test_kernels_run_in_this_process():
@@ -87,8 +93,9 @@ def test_tree_attention_matches_dense(contexts, width, length, hq, hkv, dim, blo
     expected = dense_tree_attention(q, cu, contexts, dense_k, dense_v, tree, scale)
     reference = ta.tree_attention_reference(q, kc, vc, bt, cu, ctx, mask, scale)
     torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
-    out = ta.tree_attention_triton(q, kc, vc, bt, cu, ctx, mask, scale, num_splits=splits, block_m=16, block_n=16)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    out = ta.tree_attention_triton(*dev(q, kc, vc, bt, cu, ctx, mask), scale, num_splits=splits,
+                                   block_m=16, block_n=16)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_tree_attention_rejects_bad_shapes():
@@ -120,7 +127,8 @@ def test_fused_select_matches_torch_step(batch, beams, vocab, dim, width, warp):
     weight = torch.randn(vocab, dim, generator=gen) * 2
     score = torch.randn(batch, beams, generator=gen) * 3
     score[0, -1] = float("-inf")  # a padding beam
-    top, parent, draft = fb.fused_select(x, weight, score, width, warp, block_n=16, block_k=16, num_splits=2)
+    top, parent, draft = (t.cpu() for t in fb.fused_select(*dev(x, weight, score), width, warp,
+                                                             block_n=16, block_k=16, num_splits=2))
     ref_top, ref_parent, ref_draft = fb.select_reference(x, weight, score, width, warp)
     gaps = ref_top[:, :-1] - ref_top[:, 1:]
     assert (gaps[torch.isfinite(gaps)] > 1e-3).all(), "the random case has a near tie: pick another seed"
@@ -155,10 +163,12 @@ def test_beam_search_fused_matches_beam_search(warp):
     h = torch.randn(3, 8, generator=gen)
     g0 = torch.tensor([1, 5, 9])
     width, length = torch.tensor([3, 1, 4]), torch.tensor([4, 3, 2])  # per request
-    fused = fb.beam_search_fused(drafter, h, g0, width, length, apple_warp=warp, block_n=16, block_k=16)
     plain = beam_search(drafter, h, g0, width, length, apple_warp=warp)
-    assert torch.equal(fused.beams, plain.beams)
-    torch.testing.assert_close(fused.scores, plain.scores, atol=1e-4, rtol=1e-5)
+    drafter.to(DEVICE), drafter.embedding.to(DEVICE)  # the target's embedding is not a submodule
+    fused = fb.beam_search_fused(drafter, *dev(h, g0, width, length), apple_warp=warp,
+                                 block_n=16, block_k=16)
+    assert torch.equal(fused.beams.cpu(), plain.beams)
+    torch.testing.assert_close(fused.scores.cpu(), plain.scores, atol=1e-4, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,7 +182,8 @@ def test_tiled_race_equals_torch_race_given_the_noise():
     logits = torch.randn(rows, vocab, generator=gen) * 3
     temperature = torch.tensor([1.0, 0.5, 0.0, 2.0, 1e-6, 0.8])  # rows 2 and 4 greedy
     noise = torch.empty(rows, vocab).exponential_(generator=gen)
-    tokens, lse = ks.sample_tiled(logits, temperature, noise, block_v=128, num_splits=3)
+    tokens, lse = (t.cpu() for t in ks.sample_tiled(*dev(logits, temperature, noise), block_v=128,
+                                                    num_splits=3))
     ref_tokens, ref_lse = ks.sample_reference(logits, temperature, noise)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(lse, ref_lse)
@@ -190,12 +201,12 @@ def test_tiled_race_philox_samples_the_softmax():
     rows = 120  # one sample per row (one interpreted program each): few rows, a loose test
     logits = torch.tensor([[0.0, 1.0, 2.0, 0.5, -9.0]]).repeat(rows, 1)
     seeds = torch.arange(rows) * 7919 + 11
-    tokens, _ = ks.sample_tiled(logits, torch.ones(rows), seed=seeds)
+    tokens = ks.sample_tiled(*dev(logits, torch.ones(rows)), seed=seeds.to(DEVICE))[0].cpu()
     counts = torch.bincount(tokens, minlength=5).double()
     expected = logits[0].softmax(0).double() * rows
     assert counts[4] == 0  # probability 1.6e-5
     assert scipy_stats.chisquare(counts[:4], expected[:4] * rows / expected[:4].sum()).pvalue > 1e-4
-    again, _ = ks.sample_tiled(logits[:6], torch.ones(6), seed=seeds[:6])
+    again = ks.sample_tiled(*dev(logits[:6], torch.ones(6)), seed=seeds[:6].to(DEVICE))[0].cpu()
     assert torch.equal(tokens[:6], again)  # a function of the seeds
 
 
@@ -205,7 +216,7 @@ def test_sigmoid_path_equals_its_reference_and_is_inexact():
     logits = torch.randn(4, 300, generator=gen) * 3
     temperature = torch.tensor([1.0, 0.7, 0.0, 1.5])
     noise = torch.empty(4, 300).exponential_(generator=gen)
-    tokens, _ = ks.sample_tiled(logits, temperature, noise, sigmoid=True, block_v=64)
+    tokens = ks.sample_tiled(*dev(logits, temperature, noise), sigmoid=True, block_v=64)[0].cpu()
     assert torch.equal(tokens, ks.sigmoid_reference(logits, temperature, noise))
     # the weights are sigmoid(l/T - max) (clamped), the distribution is not the softmax
     a = logits / temperature.clamp(min=1e-5)[:, None]
@@ -257,15 +268,16 @@ def test_dispatch_runs_the_kernels_when_forced(monkeypatch):
     tree = build_tree(random_beams(gen, 2, 3, 3))
     q, kc, vc, bt, cu, ctx, _, _ = paged_case(gen, [6, 2], tree, hq=2, hkv=1, dim=16, block_size=4)
     mask = kernels.pack_tree_mask(tree.attention_mask, tree.num_packed)
-    out = kernels.paged_tree_attention(q, kc, vc, bt, cu, ctx, mask, block_n=16)
-    torch.testing.assert_close(out, ta.tree_attention_reference(q, kc, vc, bt, cu, ctx, mask))
+    out = kernels.paged_tree_attention(*dev(q, kc, vc, bt, cu, ctx, mask), block_n=16)
+    torch.testing.assert_close(out.cpu(), ta.tree_attention_reference(q, kc, vc, bt, cu, ctx, mask))
     # seeded requests: the kernel draws the same noise as the torch path, so the same samples
-    logits = torch.randn(2, 3, 50, generator=gen)
-    params = lambda: SamplingParamsBatch.from_lists([0.9, 0.0], seeds=[4, 5])  # noqa: E731
+    logits = torch.randn(2, 3, 50, generator=gen).to(DEVICE)
+    params = lambda: SamplingParamsBatch.from_lists([0.9, 0.0], seeds=[4, 5], device=DEVICE)  # noqa: E731
     expected = sample_from_probs(target_probs(logits, params()), params())
     assert torch.equal(kernels.sample_tokens(logits, params()), expected)
     # top-k falls back to the torch path
-    params_k = lambda: SamplingParamsBatch.from_lists([0.9, 0.5], top_k=[3, 0], seeds=[1, 2])  # noqa: E731
+    params_k = lambda: SamplingParamsBatch.from_lists([0.9, 0.5], top_k=[3, 0], seeds=[1, 2],  # noqa: E731
+                                                      device=DEVICE)
     expected = sample_from_probs(target_probs(logits, params_k()), params_k())
     assert torch.equal(kernels.sample_tokens(logits, params_k()), expected)
 
