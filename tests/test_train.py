@@ -314,6 +314,48 @@ def test_fine_tuning_starts_from_the_given_drafter(trained, tmp_path, prompts_fi
                      tmp_path / "x", generator=never_generate)
 
 
+def test_fine_tuning_can_swap_draft_tokens(trained, tmp_path, prompts_file, target_dir, tokenizer,
+                                            shared_data_dir):
+    """draft_vocab_swap m: the fine-tuned head scores m other tokens (the EOS stays), every kept
+    token keeps its trained row (lr 0 here, so rows are as the swap left them), the new rows are
+    the ridge map of the target's rows; the fingerprint says so; without init_from it is refused."""
+    from vllm_redrafter.train.pipeline import run_fingerprint
+
+    start, _ = trained
+    frozen = with_overrides(small_recipe(prompts_file, max_steps=1, lr=0.0),
+                            drafter=dict(init_from=str(start)))
+    swapped = with_overrides(frozen, drafter=dict(draft_vocab_swap=32))
+    run_training(swapped, target_dir, tmp_path / "s", data_dir=shared_data_dir,
+                 generator=never_generate)
+    before = RecurrentDrafter.from_pretrained(start, target_hidden_size=576)
+    after = RecurrentDrafter.from_pretrained(tmp_path / "s", target_hidden_size=576)
+    old, new = before.draft_vocab_ids, after.draft_vocab_ids
+    kept = torch.isin(new, old)
+    assert int((~kept).sum()) == 32 and new.numel() == old.numel()
+    assert tokenizer.eos_token_id in new.tolist()
+    old_rows = dict(zip(old.tolist(), before.lm_head[-1].weight.float()))
+    for token, row in zip(new[kept].tolist(), after.lm_head[-1].weight.float()[kept]):
+        torch.testing.assert_close(row, old_rows[token], atol=1e-3, rtol=1e-3)  # float16 saved
+    assert after.lm_head[-1].weight[~kept].abs().sum() > 0
+    assert run_fingerprint(swapped, target_dir) != run_fingerprint(frozen, target_dir)
+    with pytest.raises(ValueError, match="only with init_from"):
+        with_overrides(small_recipe(prompts_file), drafter=dict(draft_vocab_swap=4))
+
+
+def test_swap_draft_vocab_takes_the_most_counted_outside_in():
+    from vllm_redrafter.train.vocab import carry_head_rows, swap_draft_vocab
+
+    freq = torch.tensor([9., 0., 1., 8., 7., 0., 5.])
+    assert swap_draft_vocab(torch.tensor([0, 1, 2]), freq, 2).tolist() == [0, 3, 4]
+    assert swap_draft_vocab(torch.tensor([0, 1, 2]), freq, 2, always=[1]).tolist() == [1, 3, 4]
+    assert swap_draft_vocab(torch.tensor([0, 1, 2]), freq, 0).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="must be in"):
+        swap_draft_vocab(torch.tensor([0, 1, 2]), freq, 4)
+    rows = carry_head_rows(torch.tensor([0, 1, 2]), torch.tensor([[1.], [2.], [3.]]),
+                           torch.tensor([0, 2, 6]), torch.tensor([[7.], [8.], [9.]]))
+    assert rows.tolist() == [[1.], [3.], [9.]]
+
+
 def test_a_recipe_fine_tuning_another_recipes_drafter_trains_both(tmp_path, prompts_file,
                                                                   target_dir, monkeypatch):
     """init_from="recipe:NAME": one command trains the base recipe's drafter first (in

@@ -44,10 +44,16 @@ class DrafterSpec:
     # (the package's), or "recipe:NAME" (that recipe's drafter, trained first in the same run);
     # its shape and draft vocabulary replace the fields above
     init_from: str | None = None
+    # with init_from: swap this many of its K tokens, the least counted in this recipe's training
+    # data, for the most counted ones outside it (train.vocab.swap_draft_vocab); 0 keeps its K
+    draft_vocab_swap: int = 0
 
     def __post_init__(self) -> None:
         if self.head_init not in ("target", "random"):
             raise ValueError(f"head_init must be 'target' or 'random', got {self.head_init!r}")
+        if self.draft_vocab_swap < 0 or (self.draft_vocab_swap and self.init_from is None):
+            raise ValueError("draft_vocab_swap must be >= 0, and > 0 only with init_from "
+                             f"(a trained head to swap tokens of), got {self.draft_vocab_swap}")
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,8 @@ RECIPES: dict[str, Recipe] = {
          _answers_128(seed=0, written_5=2557)),
         save_every=100),
     "broad": _fine_tune("broad", "recipe:shipped", _answers_128(seed=0, written_6=1280),
-                        (_answers_128(seed=0, written_7=1554),), save_every=50),
+                        (_answers_128(seed=0, written_7=1554), _answers_128(seed=0, written_8=1681)),
+                        save_every=50),
     "medium": Recipe(
         name="medium",
         data=DataSpec(dataset="builtin", labels="self", num_draft_tokens=5, response_tokens=192,

@@ -68,3 +68,36 @@ def target_to_draft_map(draft_ids: Tensor, vocab_size: int, missing: int = -100)
     table = torch.full((vocab_size,), missing, dtype=torch.long)
     table[draft_ids] = torch.arange(draft_ids.numel())
     return table
+
+
+def swap_draft_vocab(draft_ids: Tensor, frequencies: Tensor, m: int,
+                     always: list[int] | None = None) -> Tensor:
+    """A trained head's K ids with its ``m`` least frequent tokens swapped for the ``m`` most
+    frequent tokens outside it (ascending; ``always`` stays in; ties towards the smaller id).
+
+    >>> swap_draft_vocab(torch.tensor([0, 1, 2]), torch.tensor([5., 0., 9., 7., 1.]), 1)
+    tensor([0, 2, 3])
+    """
+    if not 0 <= m <= draft_ids.numel():
+        raise ValueError(f"draft_vocab_swap m={m} must be in [0, K={draft_ids.numel()}]")
+    keep_score = frequencies.double().clone()
+    if always:
+        keep_score[torch.tensor(always)] = float("inf")
+    kept = draft_ids[torch.sort(-keep_score[draft_ids], stable=True).indices][: draft_ids.numel() - m]
+    outside = torch.ones(frequencies.numel(), dtype=torch.bool)
+    outside[draft_ids] = False
+    candidates = torch.nonzero(outside).squeeze(1)
+    added = candidates[torch.sort(-frequencies.double()[candidates], stable=True).indices][:m]
+    return torch.sort(torch.cat([kept, added])).values
+
+
+def carry_head_rows(old_ids: Tensor, old_rows: Tensor, new_ids: Tensor, fresh_rows: Tensor) -> Tensor:
+    """[K', E] head rows for ``new_ids``: a token the old head scored keeps its row
+    (``old_rows`` [K, E], in ``old_ids`` order); any other takes its row of ``fresh_rows``
+    ([K', E], in ``new_ids`` order)."""
+    position = {int(t): i for i, t in enumerate(old_ids.tolist())}
+    rows = fresh_rows.clone()
+    for i, token in enumerate(new_ids.tolist()):
+        if token in position:
+            rows[i] = old_rows[position[token]]
+    return rows
