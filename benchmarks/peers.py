@@ -44,6 +44,11 @@ category: tokens/s of each arm, speedup over vLLM alone (pooled and per repeat),
 step (1 + accepted / drafting steps, vLLM's counters), and how many outputs are identical to vLLM
 alone's for the same prompt and repeat.
 
+Adaptation (``--hog``): each repeat answers the prompts twice on the same engines; a CPU-hogging
+process (one busy loop, as another job taking a core) starts between the passes and runs to the
+repeat's end. Rows per set: every arm's figures without and with the hog (the beam policy learns
+from a cold start in the first pass and must adapt in the second).
+
 Serving (``--serving``): ``benchmarks/qps_sweep.py``'s servers and ``vllm bench serve``, one
 server per arm, side by side. In each repeat the servers start anew in alternating order and are
 warmed up with training requests. Then per set and concurrency (``--concurrency``), every
@@ -69,6 +74,7 @@ import gc
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -162,6 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-candidates", type=int, default=1,
                         help="C of the redrafter_ctx arm")
     parser.add_argument("--beam-policy", default="fixed", choices=("fixed", "auto"))
+    parser.add_argument("--hog", action="store_true",
+                        help="batch 1: each repeat answers the prompts again with a CPU hog "
+                             "running (one busy loop); rows per set: before and after")
     parser.add_argument("--serving", action="store_true", help="run the serving sweep too")
     parser.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16])
     parser.add_argument("--prompts-per-level", type=int, default=6, help="x the concurrency")
@@ -271,23 +280,33 @@ def generate_one(llm, ids: list[int], params) -> tuple[float, list[int], dict]:
     return seconds, list(out[0].outputs[0].token_ids), counter_diff(spec_counters(llm), before)
 
 
+def start_hog() -> subprocess.Popen:
+    """A CPU-hogging process: one busy loop, as another job taking a core would be."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
 def interleaved(specs: dict, target: str, items: list[dict], warmup: list[int], params,
-                repeats: int, progress: str = "", resolved: dict | None = None) -> list[dict]:
+                repeats: int, progress: str = "", resolved: dict | None = None,
+                hog: bool = False) -> list[dict]:
     """Every item (``set``, ``category``, ``prompt``, ``ids``) answered by every arm at batch 1,
     one record per answer. Engines start anew per repeat; order rotates and reverses.
-    ``resolved`` gets each n-gram / suffix engine's config as vLLM resolved it."""
+    ``resolved`` gets each n-gram / suffix engine's config as vLLM resolved it. ``hog``: each
+    repeat answers the items twice, the second time with a CPU hog running (records' ``hog``)."""
     from vllm.inputs import TokensPrompt
 
     names = list(specs)
     records = []
+    passes = [(item, False) for item in items] + [(item, True) for item in items if hog]
     for k in range(repeats):
-        engines = start_engines(qps.start_order(names, k), target, specs)
+        engines, hogging = start_engines(qps.start_order(names, k), target, specs), None
         try:
             for name, llm in engines.items():
                 if resolved is not None and resolved_spec(llm):
                     resolved[name] = resolved_spec(llm)
                 llm.generate([TokensPrompt(prompt_token_ids=warmup)], params, use_tqdm=False)
-            for i, item in enumerate(items):
+            for i, (item, hogged) in enumerate(passes):
+                if hogged and hogging is None:
+                    hogging = start_hog()
                 for name in qps.rotation(names, i, k):
                     seconds, output, spec = generate_one(engines[name], item["ids"],
                                                          item.get("params", params))
@@ -296,21 +315,30 @@ def interleaved(specs: dict, target: str, items: list[dict], warmup: list[int], 
                         "repeat": k, "arm": name, "seconds": seconds, "tokens": len(output),
                         "drafts": spec.get("vllm:spec_decode_num_drafts") or 0,
                         "accepted": spec.get("vllm:spec_decode_num_accepted_tokens") or 0,
-                        "output": output})
-                print(f"{progress}repeat {k + 1}/{repeats}, prompt {i + 1}/{len(items)} "
-                      f"({item['set']})", flush=True)
+                        "output": output, "hog": hogged, "t": time.time()})
+                print(f"{progress}repeat {k + 1}/{repeats}, prompt {i + 1}/{len(passes)} "
+                      f"({item['set']}{', CPU hog' if hogged else ''})", flush=True)
         finally:
+            if hogging is not None:
+                hogging.kill()
+                hogging.wait()
             stop_engines(engines)
     return records
 
 
+def by_hog_phase(records: list[dict]) -> list[dict]:
+    """The records with each set's categories replaced by the phase (``no hog`` / ``hog``), for
+    ``table``: per set, every arm before and after a CPU hog started."""
+    return [{**r, "category": "hog" if r.get("hog") else "no hog"} for r in records]
+
+
 def mark_identity(records: list[dict]) -> list[dict]:
     """Each record with ``identical``: its output equals vLLM alone's for the same prompt of the
-    same set and repeat. The outputs themselves are dropped (they stay out of the JSON)."""
-    alone = {(r["set"], r["prompt"], r["repeat"]): r["output"]
+    same set, repeat and hog phase. The outputs themselves are dropped (they stay out of the JSON)."""
+    alone = {(r["set"], r["prompt"], r["repeat"], r.get("hog")): r["output"]
              for r in records if r["arm"] == "alone"}
     return [{**{k: v for k, v in r.items() if k != "output"},
-             "identical": r["output"] == alone.get((r["set"], r["prompt"], r["repeat"]))}
+             "identical": r["output"] == alone.get((r["set"], r["prompt"], r["repeat"], r.get("hog")))}
             for r in records]
 
 
@@ -627,13 +655,18 @@ def main(argv: list[str] | None = None) -> None:
                                                      seed=len(items))
     warmup = chat_prompt_ids(tokenizer, training_requests(1)[0])
     records = mark_identity(interleaved(specs, target, items, warmup, params, args.repeats,
-                                        resolved=result["resolved_specs"]))
-    rows = table(records)
+                                        resolved=result["resolved_specs"], hog=args.hog))
+    rows = table([r for r in records if not r.get("hog")])
     stem = args.out.with_suffix("")
     result["batch1"] = {"rows": rows, "records": records,
                         "png": plot_batch1(rows, lambda s: Path(f"{stem}_{s}.png"))}
+    if args.hog:
+        result["batch1"]["hog_rows"] = table(by_hog_phase(records))
     save()
     print_table(rows)
+    if args.hog:
+        print("\nbefore and after a CPU hog started (the same prompts)")
+        print_table(result["batch1"]["hog_rows"])
 
     if args.serving:
         with tempfile.TemporaryDirectory() as tmp:

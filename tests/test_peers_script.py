@@ -108,6 +108,49 @@ def test_table_from_fake_runs(peers):
     assert qa["arms"]["ngram"]["identical"] == 2
 
 
+def test_hog_pass_answers_again_with_a_busy_process(peers, monkeypatch):
+    """--hog: the prompts are answered a second time with a CPU hog running, which is killed at
+    the repeat's end; identity is judged against vLLM alone in the same phase; the table's rows
+    per set are the two phases."""
+    import types
+
+    hogs = []
+
+    class Hog:
+        def __init__(self):
+            self.killed = False
+            hogs.append(self)
+
+        def kill(self):
+            self.killed = True
+
+        def wait(self):
+            pass
+
+    def generate_one(llm, ids, params):
+        hogged = bool(hogs and not hogs[-1].killed)
+        return (2.0 if llm.name == "alone" else 1.0 + 2.0 * hogged,
+                [1, 2] if hogged and llm.name == "redrafter" else [1, 2, 3], {})
+
+    monkeypatch.setattr(peers, "start_hog", Hog)
+    monkeypatch.setattr(peers, "start_engines", lambda order, target, specs: {
+        n: types.SimpleNamespace(name=n, generate=lambda *a, **k: None) for n in order})
+    monkeypatch.setattr(peers, "stop_engines", lambda engines: None)
+    monkeypatch.setattr(peers, "resolved_spec", lambda llm: None)
+    monkeypatch.setattr(peers, "generate_one", generate_one)
+    items = [{"set": "qa", "category": "qa", "prompt": i, "ids": [5]} for i in range(3)]
+    records = peers.mark_identity(peers.interleaved({"alone": None, "redrafter": {}}, "t", items,
+                                                    [5], None, repeats=2, hog=True))
+    assert len(records) == 2 * 2 * 2 * 3 and len(hogs) == 2 and all(h.killed for h in hogs)
+    assert [r["hog"] for r in records if r["arm"] == "alone"] == ([False] * 3 + [True] * 3) * 2
+    assert all(r["identical"] == (r["arm"] == "alone" or not r["hog"]) for r in records)
+    rows = peers.table(peers.by_hog_phase(records))
+    assert [r["category"] for r in rows] == ["no hog", "hog", "all"]
+    assert rows[0]["arms"]["redrafter"]["speedup"] == pytest.approx(2.0)  # 3 tokens: 1 s vs 2
+    assert rows[1]["arms"]["redrafter"]["speedup"] == pytest.approx((2 / 3) / 1.5)
+    assert peers.parse_args(["--hog"]).hog and not peers.parse_args([]).hog
+
+
 def test_pick_best_and_plots(peers, tmp_path):
     sweep = [{"setting": "3:2:4", "speedup": 1.05}, {"setting": "5:2:4", "speedup": 1.2},
              {"setting": "2:3:5", "speedup": 0.9}]
