@@ -55,7 +55,8 @@ def load_part(part: Path, tokenizer) -> dict:
             "kind": kind_of_sequence[arrays["sequence"]], "names": names}
 
 
-def coverage_by_kind(draft_ids: torch.Tensor, parts: list[dict]) -> dict[str, float]:
+def counts_by_kind(draft_ids: torch.Tensor, parts: list[dict]) -> dict[str, tuple[int, int]]:
+    """Per kind: (held-out next tokens inside the head, held-out next tokens)."""
     hit, total = defaultdict(int), defaultdict(int)
     for p in parts:
         held = p["heldout"] & (p["labels"][:, 0] >= 0)
@@ -64,7 +65,7 @@ def coverage_by_kind(draft_ids: torch.Tensor, parts: list[dict]) -> dict[str, fl
             of_kind = p["kind"][held] == k
             hit[name] += int(inside[of_kind].sum())
             total[name] += int(of_kind.sum())
-    return {name: hit[name] / total[name] for name in sorted(total) if total[name]}
+    return {name: (hit[name], total[name]) for name in sorted(total) if total[name]}
 
 
 def main() -> None:
@@ -83,10 +84,12 @@ def main() -> None:
     arms = {f"swap_{m}": swap_draft_vocab(old, freq, int(m), always) for m in args.swaps.split(",")}
     arms["scratch"] = select_draft_vocab(freq, old.numel(), always)
     result = {"drafter": portable(args.drafter), "K": old.numel(),
-              "parts": [portable(p) for p in args.data], "arms": {}}
+              "parts": [portable(p) for p in args.data],
+              "heldout_tokens_by_kind": {k: t for k, (_, t) in counts_by_kind(old, parts).items()},
+              "arms": {}}
     for name, ids in arms.items():
-        by_kind = coverage_by_kind(ids, parts)
-        by_kind = {k: round(v, 4) for k, v in by_kind.items() if k != "unknown"}
+        by_kind = {k: round(h / t, 4) for k, (h, t) in counts_by_kind(ids, parts).items()
+                   if k != "unknown"}
         result["arms"][name] = {"mean_over_kinds": round(sum(by_kind.values()) / len(by_kind), 4),
                                 "min_over_kinds": min(by_kind.values()), "by_kind": by_kind,
                                 "tokens_changed": int((~torch.isin(ids, old)).sum())}
