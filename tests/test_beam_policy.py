@@ -26,7 +26,7 @@ from vllm_redrafter.beam_policy import (
     candidate_widths,
     load_step_cost,
 )
-from vllm_redrafter.policy_sim import Acceptance, Machine, rate, run
+from vllm_redrafter.policy_sim import Acceptance, Machine, median_time_per_token, rate, run
 
 DATA = Path(__file__).parent / "data"
 CPU = policy_sim.cpu_machine(json.loads((DATA / "step_cost_xeon_amx.json").read_text())["cells"])
@@ -433,6 +433,26 @@ def test_candidates_are_taken_where_accepted_and_dropped_where_not(batch):
     useless = rate(run(BeamPolicy(4, 4), CPU, SHIPPED, batch, 1000,
                        candidates=[NOT_COPYING] * batch))
     assert useless >= 0.98 * without
+
+
+def test_a_minority_s_candidates_do_not_slow_the_median_request():
+    """One request of 8 copies its context: its candidate would raise the batch's tokens/s and
+    slow the other seven; the drafter's beams do not pay (a weak drafter). Taken per request
+    (candidate_share 0, the negative control) the
+    median request's time per token rises over plain decoding; by default the step takes no
+    candidates and the median request keeps plain decoding's pace."""
+    texts, weak = [COPYING] + [NOT_COPYING] * 7, SHIPPED.scaled(0.3)  # beams do not pay here
+    plain_log = run((0, 0), CPU, weak, 8, 1000)
+    plain = median_time_per_token(plain_log)
+    per_request = run(BeamPolicy(4, 4, PolicyConfig(candidate_share=0.0)), CPU, weak, 8, 1000,
+                      candidates=texts)
+    majority = run(BeamPolicy(4, 4), CPU, weak, 8, 1000, candidates=texts)
+    took = [sum(s.candidates[0] for s in log[100:]) / 900 for log in (per_request, majority)]
+    ratios = [plain / median_time_per_token(log) for log in (per_request, majority)]
+    print(f"\ncopier's candidate taken {took}, median time per token plain / policy {ratios}")
+    assert took[0] > 0.9 and ratios[0] < 0.97  # the harm exists where the rule is off,
+    assert rate(per_request) > rate(plain_log)  # though the batch's tokens/s rose
+    assert took[1] < 0.05 and ratios[1] >= 0.98
 
 
 def test_where_the_drafter_does_not_pay_candidates_alone_are_drafted():

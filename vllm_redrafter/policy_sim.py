@@ -167,6 +167,7 @@ class SimStep:
     reason: str  # the policy's rule ("fixed" without a policy)
     plain_expected: float = 0.0  # the policy's expected tokens/s of a plain step
     candidates: tuple[int, ...] = ()  # context candidates each request took
+    accepted: tuple[int, ...] = ()  # drafts each request accepted (it emitted that + 1)
 
 
 def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int], Machine],
@@ -230,13 +231,23 @@ def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int],
         now += seconds
         emitted = batch + sum(accepted)
         log.append(SimStep(width, length, batch + sum(accepted), seconds, reason, plain_expected,
-                           took))
+                           took, tuple(accepted)))
     return log
 
 
 def rate(log: Sequence[SimStep]) -> float:
     """Tokens per second over the steps."""
     return sum(s.tokens for s in log) / sum(s.seconds for s in log)
+
+
+def median_time_per_token(log: Sequence[SimStep]) -> float:
+    """The median over the batch's requests of seconds per emitted token (each request waits
+    for every step; vLLM's TPOT, without the prefill)."""
+    seconds = sum(s.seconds for s in log)
+    per_request = sorted(seconds / sum(1 + s.accepted[r] for s in log)
+                         for r in range(len(log[0].accepted)))
+    mid = len(per_request) // 2
+    return per_request[mid] if len(per_request) % 2 else (per_request[mid - 1] + per_request[mid]) / 2
 
 
 def _solve(f: Callable[[float], float], lo: float = 0.0, hi: float = 1.0) -> float:
