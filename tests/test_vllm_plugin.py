@@ -1429,3 +1429,25 @@ def report_against_vllm_alone(name, outputs, counts, alone_samples, seconds) -> 
           f"ours {a.tolist()} alone {b.tolist()} over bins {bins} + rest; walk left beam 0 in "
           f"{counts['num_kv_moves']} requests; {seconds:.0f} s")
     return p_value
+
+
+# -- last: it empties vLLM's metric registry, as a second engine in this process would --------------
+
+
+def test_spec_counters_read_this_engine_after_another_engine_started(llm, prompts):
+    """demo.spec_counters reads the engine's own counters: a later engine's stat logger empties
+    the process's registry of this one's collectors (simulated with vLLM's own call), and the
+    counts still grow as this engine drafts, as the proposer counts its trees."""
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from vllm_redrafter.demo import counter_diff, spec_counters
+
+    unregister_vllm_metrics()
+    assert not [m for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")]
+    before = spec_counters(llm)
+    generate(llm, prompts[:2], [{**GREEDY, "max_tokens": 16}] * 2)
+    grown = counter_diff(spec_counters(llm), before)
+    assert grown["vllm:spec_decode_num_drafts"] > 0
+    assert 0 < grown["vllm:spec_decode_num_accepted_tokens"] <= 2 * 16
+    assert sum(grown["vllm:spec_decode_num_accepted_tokens_per_pos"]) == \
+        grown["vllm:spec_decode_num_accepted_tokens"]

@@ -97,9 +97,35 @@ def metric_totals(text: str, names: Sequence[str]) -> dict[str, float]:
 
 
 def spec_counters(llm) -> dict[str, object]:
-    """vLLM's spec-decode counters (per-position ones as lists); needs disable_log_stats=False."""
-    return {m.name: getattr(m, "values", getattr(m, "value", None))
-            for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+    """This engine's spec-decode counters (per-position ones as lists); needs
+    disable_log_stats=False. Read from the engine's own Prometheus logger: each engine started in
+    a process unregisters the earlier ones' collectors, so ``llm.get_metrics()`` (the registry)
+    shows only the last-started engine's counters."""
+    prom = _spec_decoding_prom(llm)
+    if prom is None:  # no Prometheus logger of its own found: the registry, as vLLM reads it
+        return {m.name: getattr(m, "values", getattr(m, "value", None))
+                for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+    if not prom.spec_decoding_enabled:
+        return {}
+    value = lambda counter: counter._value.get()  # noqa: E731 (prometheus_client's child value)
+    return {"vllm:spec_decode_num_drafts": value(prom.counter_spec_decode_num_drafts[0]),
+            "vllm:spec_decode_num_draft_tokens": value(prom.counter_spec_decode_num_draft_tokens[0]),
+            "vllm:spec_decode_num_accepted_tokens":
+                value(prom.counter_spec_decode_num_accepted_tokens[0]),
+            "vllm:spec_decode_num_accepted_tokens_per_pos":
+                [value(c) for c in prom.counter_spec_decode_num_accepted_tokens_per_pos.get(0, [])]}
+
+
+def _spec_decoding_prom(llm):
+    """The engine's ``SpecDecodingProm`` (vLLM 0.32: LLMEngine.logger_manager's
+    PrometheusStatLogger), or None."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    for logger_ in getattr(manager, "stat_loggers", []):
+        if isinstance(logger_, PrometheusStatLogger):
+            return logger_.spec_decoding_prom
+    return None
 
 
 def counter_diff(after: dict, before: dict) -> dict:
