@@ -438,9 +438,9 @@ def test_candidates_are_taken_where_accepted_and_dropped_where_not(batch):
 def test_a_minority_s_candidates_do_not_slow_the_median_request():
     """One request of 8 copies its context: its candidate would raise the batch's tokens/s and
     slow the other seven; the drafter's beams do not pay (a weak drafter). Taken per request
-    (candidate_share 0, the negative control) the
-    median request's time per token rises over plain decoding; by default the step takes no
-    candidates and the median request keeps plain decoding's pace."""
+    (candidate_share 0, the negative control) the median request's time per token rises over
+    plain decoding; by default the step takes no candidates and the median request keeps plain
+    decoding's pace."""
     texts, weak = [COPYING] + [NOT_COPYING] * 7, SHIPPED.scaled(0.3)  # beams do not pay here
     plain_log = run((0, 0), CPU, weak, 8, 1000)
     plain = median_time_per_token(plain_log)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -244,10 +245,8 @@ def median_time_per_token(log: Sequence[SimStep]) -> float:
     """The median over the batch's requests of seconds per emitted token (each request waits
     for every step; vLLM's TPOT, without the prefill)."""
     seconds = sum(s.seconds for s in log)
-    per_request = sorted(seconds / sum(1 + s.accepted[r] for s in log)
-                         for r in range(len(log[0].accepted)))
-    mid = len(per_request) // 2
-    return per_request[mid] if len(per_request) % 2 else (per_request[mid - 1] + per_request[mid]) / 2
+    return statistics.median(seconds / sum(1 + s.accepted[r] for s in log)
+                             for r in range(len(log[0].accepted)))
 
 
 def _solve(f: Callable[[float], float], lo: float = 0.0, hi: float = 1.0) -> float:
