@@ -24,13 +24,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from vllm_redrafter.demo import DEFAULT_DRAFTER
 from vllm_redrafter.results import portable
 from vllm_redrafter.target import prepare_target
 from vllm_redrafter.train.vocab import select_draft_vocab, swap_draft_vocab, token_frequencies
 from vllm_redrafter.train.written_prompts import STOCK_FILES, source_name, written_stock
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DRAFTER = REPO / "vllm_redrafter" / "default_drafter"
 
 
 def part_kinds(part: Path, tokenizer) -> list[str]:

@@ -258,16 +258,16 @@ def swap_head_vocab(drafter: RecurrentDrafter, data: DistillData, spec: DrafterS
     if not drafter.config.draft_vocab_size:
         raise ValueError("draft_vocab_swap needs a drafter with a reduced draft vocabulary")
     old_ids = drafter.draft_vocab_ids.clone()
-    train = ~data.heldout
-    freq = token_frequencies(data.labels[train], data.token_counts, spec.vocab_text_weight)
     m = spec.draft_vocab_swap
-    new_ids = swap_draft_vocab(old_ids, freq, m, [eos_token_id] if eos_token_id is not None else None)
+    new_ids = swap_draft_vocab(old_ids, _training_frequencies(data, spec), m,
+                               _always(eos_token_id))
     head = drafter.lm_head[-1].weight
     with torch.no_grad():
-        source = target_head_rows(target_dir, embedding, old_ids)  # [K, H]
+        target_rows = target_head_rows(target_dir, embedding, None)  # [V, H], read once
+        source = target_rows[old_ids.to(target_rows.device)]  # [K, H]
         gram = source.T @ source + ROW_MAP_RIDGE * torch.eye(source.shape[1])
         row_map = torch.linalg.solve(gram, source.T @ head)  # [H, E]
-        fresh = target_head_rows(target_dir, embedding, new_ids) @ row_map
+        fresh = target_rows[new_ids.to(target_rows.device)] @ row_map
         head.copy_(carry_head_rows(old_ids, head, new_ids, fresh))
         drafter.draft_vocab_ids.copy_(new_ids)
     print(f"draft vocabulary: {m} of K = {old_ids.numel()} tokens swapped for this run's data")
@@ -277,10 +277,18 @@ def swap_head_vocab(drafter: RecurrentDrafter, data: DistillData, spec: DrafterS
 def choose_draft_vocab(data: DistillData, spec: DrafterSpec, eos_token_id: int | None) -> torch.Tensor | None:
     if spec.draft_vocab_size is None:
         return None
-    train = ~data.heldout
-    freq = token_frequencies(data.labels[train], data.token_counts, spec.vocab_text_weight)
-    always = [eos_token_id] if eos_token_id is not None else None
-    return select_draft_vocab(freq, spec.draft_vocab_size, always)
+    return select_draft_vocab(_training_frequencies(data, spec), spec.draft_vocab_size,
+                              _always(eos_token_id))
+
+
+def _training_frequencies(data: DistillData, spec: DrafterSpec) -> torch.Tensor:
+    """The draft-vocabulary counts of the training split (``train.vocab``)."""
+    return token_frequencies(data.labels[~data.heldout], data.token_counts, spec.vocab_text_weight)
+
+
+def _always(eos_token_id: int | None) -> list[int] | None:
+    """The tokens every draft vocabulary keeps: the EOS."""
+    return [eos_token_id] if eos_token_id is not None else None
 
 
 # -- the run ---------------------------------------------------------------------------------------
