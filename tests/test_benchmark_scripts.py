@@ -56,7 +56,8 @@ def test_qps_sweep_pools_runs_as_vllm_bench_serve_computes_one():
     for runs, expected in (([run_a], vllm_a), ([run_a, run_b], vllm_ab)):
         ours = qps.pooled(runs)
         assert ours["output_throughput"] == pytest.approx(expected.output_throughput)
-        for name in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms"):
+        for name in ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+                     "mean_e2el_ms", "median_e2el_ms"):
             assert ours[name] == pytest.approx(getattr(expected, name)), name
         assert ours["p99_ttft_ms"] == pytest.approx(dict(expected.percentiles_ttft_ms)[99])
         assert ours["p99_tpot_ms"] == pytest.approx(dict(expected.percentiles_tpot_ms)[99])

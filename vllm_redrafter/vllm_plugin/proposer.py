@@ -229,15 +229,17 @@ class ReDrafterProposer:
         active = [i for i, tokens in enumerate(sampled_token_ids)
                   if tokens and cap > 0 and _tokens_left(requests[i]) > 1 and tree_eligible(requests[i])]
         pending = [requests[i] for i in active]
+        last_trees, last_shapes, last_draft_seconds = self.trees, self.shapes, self.draft_seconds
+        self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
         try:  # what the last step showed, the candidates, the policy's choice: a failure costs drafts
-            verified, drafter_accepted = self._observe_verified(sampled_token_ids, requests)
+            verified, drafter_accepted = self._observe_verified(sampled_token_ids, requests,
+                                                                last_trees, last_shapes)
             observed = None
             if self.policy is not None:  # what the step that just ended showed (its trees verified)
                 observed = StepObservation(now, tuple(r.req_id for r in requests),
                                            not all(sampled_token_ids), verified,
-                                           self.draft_seconds,
+                                           last_draft_seconds,
                                            emitted=sum(map(len, sampled_token_ids)))
-            self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
             settings = [self._request_settings(r) for r in pending]  # once per request and step
             found = self._find_candidates(pending, settings)
             shapes = self._shapes(pending, settings, cap,
@@ -245,7 +247,7 @@ class ReDrafterProposer:
                                   found=found, drafter_accepted=drafter_accepted)
         except Exception:
             self._note_failure("'s step planning raised", exc_info=True)
-            self.trees, self.shapes, self.choice, self.draft_seconds = {}, {}, None, 0.0
+            self.choice = None
             found, shapes = [], [None] * len(active)
         found = [f[: s.context_candidates] for f, s in zip(found, shapes) if s is not None]
         active = [i for i, s in zip(active, shapes) if s is not None]
@@ -346,17 +348,19 @@ class ReDrafterProposer:
         return find_candidates(context, count, length, self.settings.lookup_min,
                                self.settings.lookup_max)
 
-    def _observe_verified(self, sampled_token_ids: list[list[int]], requests: Sequence[Any]
+    def _observe_verified(self, sampled_token_ids: list[list[int]], requests: Sequence[Any],
+                          trees: dict[str, RequestTree], shapes: dict[str, tuple[int, int]]
                           ) -> tuple[tuple[VerifiedTree, ...], dict[str, int]]:
-        """Last step's trees, each with what got accepted (emitted - the bonus) along the
-        drafter's beams and the nodes candidates added (for the policy); per request, the drafts
-        accepted along drafter beams. Counts what candidates added (class counters)."""
+        """Last step's ``trees`` (drafted in ``shapes``), each with what got accepted (emitted -
+        the bonus) along the drafter's beams and the nodes candidates added (for the policy); per
+        request, the drafts accepted along drafter beams. Counts what candidates added (class
+        counters)."""
         verified, drafter_accepted = [], {}
         for tokens, request in zip(sampled_token_ids, requests):
-            shape = self.shapes.get(request.req_id)
+            shape = shapes.get(request.req_id)
             if not tokens or shape is None:
                 continue
-            tree = self.trees[request.req_id]
+            tree = trees[request.req_id]
             extra = tree.candidate_nodes
             path = tree.accepted_path(tokens[:-1])
             depth = tree.drafter_depth(path)
