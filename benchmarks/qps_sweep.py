@@ -13,8 +13,8 @@ reversed every other repeat (identical engines differ by a few percent for their
 later-started one faster in our measurement: use an even ``--repeats``; with an odd
 ``--fixed-repeats`` the policy-off server starts last more often). Per load and server, pooled
 over the repeats: output throughput (all tokens / all seconds), TTFT and TPOT (mean, median,
-p99 over every request), request latency (mean, median), and for ReDrafter the fraction of request-steps that drafted (from the
-server's /metrics). Printed as a table, written as JSON with
+p99 over every request), request latency (mean, median), and for ReDrafter the fraction of
+request-steps that drafted (from the server's /metrics). Printed as a table, written as JSON with
 every run's scalars, and drawn as ratios to vLLM alone vs load. The policy learns the step
 cost from the server's own steps; a cached curve (``vllm-redrafter step-cost``) is only its
 prior, and ``--step-cost FILE`` gives it another one. The servers inherit this script's
