@@ -22,7 +22,7 @@ MAX_NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def target(target_dir):
+def target(target_dir, every_core):
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

@@ -145,9 +145,9 @@ def alone_eval(subprocess_runs) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llm(target_dir, drafter_dir, subprocess_runs):
-    """One redrafter engine, in this process. Default beam W=2, L=4, no context candidates;
-    requests override them."""
+def llm(target_dir, drafter_dir, subprocess_runs, every_core):
+    """One redrafter engine, in this process, on every core (as vLLM alone's subprocess runs).
+    Default beam W=2, L=4, no context candidates; requests override them."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the engine starts
     from vllm import LLM
 
