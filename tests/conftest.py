@@ -12,7 +12,8 @@ import torch
 # One intra-op thread in the test process: on 2 cores, vLLM's CPU worker (started by some tests and
 # kept for a module) holds one core, and two OpenMP threads fighting over the other one made a
 # transformers forward 13x slower (953 vs 74 ms per token, measured here). Modules where nothing
-# else runs take every core for their own compute: ``every_core``.
+# else runs take torch's own default (what a vLLM subprocess uses) again: ``every_core``.
+_DEFAULT_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)
 # vLLM's CPU worker replaces torch.set_num_threads with a no-op when an engine starts in this
 # process; this is the original, so a module can still set and restore its threads.
@@ -21,10 +22,11 @@ _set_num_threads = torch.set_num_threads
 
 @pytest.fixture(scope="module")
 def every_core():
-    """All the machine's cores for this module's compute in the test process (an in-process
-    vLLM engine runs at the test process's thread count: 1.55x faster on 2 cores than at 1, in
-    a batch of 10 W = 4 L = 4 trees); back to 1 thread after the module."""
-    _set_num_threads(os.cpu_count() or 1)
+    """Torch's default thread count (the cores this process may use) for this module's compute
+    in the test process (an in-process vLLM engine runs at the test process's thread count:
+    1.55x faster on 2 cores than at 1, in a batch of 10 W = 4 L = 4 trees); back to 1 thread
+    after the module."""
+    _set_num_threads(_DEFAULT_THREADS)
     yield
     _set_num_threads(1)
 
