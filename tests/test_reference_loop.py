@@ -17,7 +17,7 @@ from vllm_redrafter.reference_loop import (
     speculative_generate,
 )
 
-NUM_PROMPTS = 8  # transformers' generate takes ~6 s per 64-token answer on 2 cores
+NUM_PROMPTS = 6  # the loop takes 5-25 s per 64-token answer on 2 cores (a recompute per step)
 MAX_NEW_TOKENS = 64
 
 

@@ -186,6 +186,13 @@ def quiet_vllm(verbose: bool) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    drafter = Path(args.drafter) if args.drafter else DEFAULT_DRAFTER
+    if not (drafter / "config.json").is_file():  # said before the heavy imports (seconds)
+        why = "no config.json there" if args.drafter else "this install ships no default drafter"
+        raise SystemExit(
+            f"no drafter at {drafter} ({why}). Train one (vllm-redrafter train --recipe medium "
+            "--output-dir runs/medium) and pass --drafter runs/medium")
+    questions = first_turns(Path(args.prompts) if args.prompts else MT_BENCH, args.num_prompts)
     quiet_vllm(args.verbose)
     from transformers import AutoTokenizer
     from vllm import SamplingParams
@@ -193,13 +200,6 @@ def main(args: argparse.Namespace) -> int:
     from vllm_redrafter.reference_loop import chat_prompt_ids
     from vllm_redrafter.target import prepare_target
 
-    drafter = Path(args.drafter) if args.drafter else DEFAULT_DRAFTER
-    if not (drafter / "config.json").is_file():
-        why = "no config.json there" if args.drafter else "this install ships no default drafter"
-        raise SystemExit(
-            f"no drafter at {drafter} ({why}). Train one (vllm-redrafter train --recipe medium "
-            "--output-dir runs/medium) and pass --drafter runs/medium")
-    questions = first_turns(Path(args.prompts) if args.prompts else MT_BENCH, args.num_prompts)
     target = str(prepare_target())
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = [chat_prompt_ids(tokenizer, q) for q in questions]
