@@ -1118,7 +1118,7 @@ EXACT_PROMPT = ", ".join(str(i) for i in range(1, 32)) + ".\n\nA, B, C, D, E, F,
 EXACT_MAX_TOKENS = 7
 COMPARED = slice(4, 6)  # tokens 5 and 6: right after the forced tree step
 JUNK = tuple(range(40000, 40008))  # tokens the target does not sample after this prompt
-NUM_CONTROL = 300  # requests per negative control (caught with fewer, caught with more)
+NUM_CONTROL = 100  # requests per negative control (caught with fewer, caught with more)
 NUM_BINS = 2  # the most frequent (token 5, token 6) pair of the pooled samples, and the rest
 ALPHA, MIN_POWER = 0.01, 0.9
 SEED_OFFSET = 1_000_000  # our seeds never equal vLLM alone's (independent samples)
@@ -1151,6 +1151,7 @@ EXACT_SIZES = {
                        "candidate_t1": 3200}),
 }
 SAMPLING_MUTATIONS = ("SKIP_KV_MOVE", "BONUS_AT_DEPTH_ROW", "CAUSAL_TREE_MASK")
+SAMPLING_CONTROLS = [("t1", m) for m in SAMPLING_MUTATIONS] + [("candidate_t1", "SKIP_KV_MOVE")]
 
 
 @pytest.fixture(scope="module")
@@ -1398,18 +1399,20 @@ def test_tree_sampling_matches_vllm_alone(llm, proposer, exact_prompt, alone_sam
     assert p_value > ALPHA
 
 
-@pytest.mark.parametrize("mutation", SAMPLING_MUTATIONS)
-def test_sampling_test_catches_each_mutation(llm, proposer, exact_prompt, alone_samples, mutation,
-                                             monkeypatch):
+@pytest.mark.parametrize("arm, mutation", SAMPLING_CONTROLS)
+def test_sampling_test_catches_each_mutation(llm, proposer, exact_prompt, alone_samples, arm,
+                                             mutation, monkeypatch):
     """Negative controls: the same test, on NUM_CONTROL requests of the T = 1 arm, rejects the
-    tree step with its KV move skipped, its bonus drawn at the wrong node, or a causal mask."""
+    tree step with its KV move skipped, its bonus drawn at the wrong node, or a causal mask;
+    on the candidate arm, the candidate's accepted nodes with their KV not moved."""
     from vllm_redrafter.vllm_plugin import mutations
 
     monkeypatch.setattr(mutations, mutation, True)
     outputs, counts, seconds = forced_tree_samples(llm, proposer, exact_prompt,
-                                                   alone_samples["path"], "t1", NUM_CONTROL,
+                                                   alone_samples["path"], arm, NUM_CONTROL,
                                                    monkeypatch)
-    p_value = report_against_vllm_alone(mutation, outputs, counts, alone_samples, seconds)
+    p_value = report_against_vllm_alone(f"{arm} {mutation}", outputs, counts, alone_samples,
+                                        seconds)
     assert counts["num_kv_moves"] >= NUM_CONTROL // 2
     assert p_value < ALPHA
 
