@@ -47,7 +47,9 @@ def test_missing_drafter_says_how_to_get_one(tmp_path):
 
 @pytest.mark.slow
 def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions, tmp_path):
-    """The README's main command as a user types it (shipped drafter), on a few prompts."""
+    """The README's main command as a user types it (shipped drafter), on a few prompts; the
+    engines' cores in the demo's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: two engine-core
+    processes would each import vLLM again, ~20 s each here; the server tests cover those)."""
     figures = tmp_path / "demo.json"
     args = ["--num-prompts", "3", "--max-tokens", "32", "--json", str(figures)]
     shipped = (DEFAULT_DRAFTER / "config.json").is_file()
@@ -55,7 +57,8 @@ def test_demo_runs_both_engines_and_outputs_agree(target_dir, mt_bench_questions
         args += ["--drafter", str(save_random_drafter(tmp_path / "drafter"))]
     run = subprocess.run(
         [sys.executable, "-m", "vllm_redrafter.cli", "demo", *args],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "VLLM_PLUGINS": "redrafter"},
+        capture_output=True, text=True, timeout=900,
+        env={**os.environ, "VLLM_PLUGINS": "redrafter", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     out = json.loads(figures.read_text())

@@ -1,7 +1,8 @@
 """ReDrafter inside vLLM 0.32.0 (CPU, the embedded SmolLM2 target): output, hidden state, metrics.
 
-Engine starts are the cost here, so there are few: "vLLM alone" (plugin NOT loaded) and plain
-vLLM with the plugin loaded each run once in a subprocess; one redrafter engine
+Engine starts are the cost here, so there are few: "vLLM alone" (plugin NOT loaded) runs once in
+a subprocess; the tests that need an engine of their own with the plugin loaded (plain vLLM,
+preemption, chunked prefill, bf16) run theirs one after another in one more; one redrafter engine
 runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach its proposer's
 debug hooks (``trace``, ``beam_source``, the drafter). The server is tested in test_server.py.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _vllm_generate import sampling_params
+from _vllm_generate import JOB_MARK, sampling_params
 from conftest import DEFAULT_DRAFTER, chat_prompts
 from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
 
@@ -80,25 +81,36 @@ def eval_prompts(target_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def subprocess_runs(target_dir, prompts, eval_prompts, tmp_path_factory) -> dict[str, dict]:
-    """Greedy outputs of vLLM alone (plugin not loaded) and of plain vLLM with the plugin loaded."""
-    work = tmp_path_factory.mktemp("vllm_runs")
-    results = {}
-    # One after the other (side by side, their threads would fight for the cores).
-    # (name, VLLM_PLUGINS, prompts): the plugin-loaded plain run needs only a few prompts.
-    for name, plugins, subset in (("alone", "", prompts), ("plugin_loaded", None, prompts[:4])):
-        runs = [{"prompts": subset, "params": GREEDY}]
-        if name == "alone":  # where stop conditions fall mid-path; seeded sampling; see ALONE_RUNS
-            runs += [{"prompts": prompts[:STOPPING_PROMPTS], "params": p} for p in STOPPING.values()]
-            runs += [{"prompts": prompts[:4], "params": SEEDED}]
-            for sampled in (False, True):
-                index, params = mixed_batch(sampled)
-                runs += [{"prompts": [prompts[i] for i in index], "params": params}]
-            runs += [{"continue": [0, LONG], "params": GREEDY}]
-            runs += [{"prompts": eval_prompts, "params": GREEDY}]
-        env = {} if plugins is None else {"VLLM_PLUGINS": plugins}
-        results[name] = generate_in_subprocess({"engine": engine_kwargs(target_dir), "runs": runs},
-                                               work / name, env)
-    return results
+    """vLLM alone (plugin not loaded): its greedy outputs, where stop conditions fall mid-path,
+    seeded sampling, ... (see ALONE_RUNS)."""
+    runs = [{"prompts": prompts, "params": GREEDY}]
+    runs += [{"prompts": prompts[:STOPPING_PROMPTS], "params": p} for p in STOPPING.values()]
+    runs += [{"prompts": prompts[:4], "params": SEEDED}]
+    for sampled in (False, True):
+        index, params = mixed_batch(sampled)
+        runs += [{"prompts": [prompts[i] for i in index], "params": params}]
+    runs += [{"continue": [0, LONG], "params": GREEDY}]
+    runs += [{"prompts": eval_prompts, "params": GREEDY}]
+    return {"alone": generate_in_subprocess({"engine": engine_kwargs(target_dir), "runs": runs},
+                                            tmp_path_factory.mktemp("alone"),
+                                            {"VLLM_PLUGINS": ""})}
+
+
+@pytest.fixture(scope="module")
+def plugin_runs(target_dir, drafter_dir, prompts, tmp_path_factory) -> dict[str, dict]:
+    """The runs of the tests that need an engine of their own, plugin loaded (plain vLLM,
+    preemption, chunked prefill, bf16): one engine after another in one subprocess, which
+    imports vLLM once (~20 s a process on 2 cores). Started before this module's engine."""
+    work = tmp_path_factory.mktemp("plugin_runs")
+    jobs = {"plugin_loaded": {"engine": engine_kwargs(target_dir),
+                              "runs": [{"prompts": prompts[:4], "params": GREEDY}]},
+            "preemption": preemption_job(target_dir, drafter_dir, prompts),
+            "chunked_prefill": chunked_prefill_job(target_dir, drafter_dir, prompts,
+                                                   work / "steps.jsonl"),
+            "bf16": bf16_job(target_dir, drafter_dir, prompts)}
+    runs = generate_in_subprocess({"jobs": jobs}, work, timeout=1800)
+    runs["chunked_prefill"]["steps"] = work / "steps.jsonl"
+    return runs
 
 
 # the runs of vLLM alone's subprocess after GREEDY (0), STOPPING (1-3) and SEEDED (4)
@@ -108,17 +120,22 @@ ALONE_RUNS = {"mixed_greedy": 5, "mixed_sampled": 6, "long_continued": 7, "eval"
 def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None,
                            timeout: float = 900) -> dict:
     """``tests/_vllm_generate.py`` on ``job`` in a fresh process (plugin allowed unless ``env``
-    sets VLLM_PLUGINS); its output json, with the process's log under "log"."""
+    sets VLLM_PLUGINS); its output json, with the process's log under "log" (for several
+    jobs: {name: its output json with its part of the log})."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "job.json").write_text(json.dumps(job))
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     full_env.pop("VLLM_PLUGINS", None)
     run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"),
                           str(work / "job.json"), str(work / "out.json")],
-                         env={**full_env, **(env or {})}, capture_output=True, text=True,
-                         timeout=timeout)
-    assert run.returncode == 0, f"{work.name} run failed:\n{(run.stdout + run.stderr)[-4000:]}"
-    return {**json.loads((work / "out.json").read_text()), "log": run.stdout + run.stderr}
+                         env={**full_env, **(env or {})}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert run.returncode == 0, f"{work.name} run failed:\n{run.stdout[-4000:]}"
+    out = json.loads((work / "out.json").read_text())
+    if "jobs" not in out:
+        return {**out, "log": run.stdout}
+    logs = dict(part.split("\n", 1) for part in run.stdout.split(JOB_MARK)[1:])
+    return {name: {**result, "log": logs[name]} for name, result in out["jobs"].items()}
 
 
 @pytest.fixture(scope="module")
@@ -272,10 +289,10 @@ class TeacherForcedBeams:
 # -- vLLM with the plugin loaded but redrafter not asked for -------------------------------------
 
 
-def test_plugin_loaded_plain_generation_equals_vllm_alone(subprocess_runs):
+def test_plugin_loaded_plain_generation_equals_vllm_alone(subprocess_runs, plugin_runs):
     assert subprocess_runs["alone"]["plugin_patched"] is False  # VLLM_PLUGINS="" kept it out
-    assert subprocess_runs["plugin_loaded"]["plugin_patched"] is True
-    loaded = subprocess_runs["plugin_loaded"]["outputs"][0]
+    assert plugin_runs["plugin_loaded"]["plugin_patched"] is True
+    loaded = plugin_runs["plugin_loaded"]["outputs"][0]
     assert loaded == subprocess_runs["alone"]["outputs"][0][: len(loaded)]
 
 
@@ -459,17 +476,22 @@ def test_stop_conditions_mid_path_stop_where_vllm_alone_stops(llm, proposer, pro
     assert sum(t.count(30) for t in alone[:STOPPING_PROMPTS]) >= 10  # "." occurs: exercised
 
 
-def test_preemption_with_a_small_kv_cache(target_dir, drafter_dir, prompts, alone, tmp_path):
-    """A KV cache too small for the batch: vLLM preempts and recomputes; output unchanged.
-    (10 prompts: their prompts and answers need ~1,200 tokens of KV, the cache holds ~530.)"""
+PREEMPTED = 10  # prompts: with their answers they need ~1,200 tokens of KV, the cache holds ~530
+
+
+def preemption_job(target_dir: Path, drafter_dir: Path, prompts) -> dict:
     engine = {**engine_kwargs(target_dir), "max_model_len": 256,
               "kv_cache_memory_bytes": 24 << 20, "disable_log_stats": False,
               "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
                                      "beam_width": 4, "beam_length": 5, "beam_policy": "fixed"}}
-    n = 10
-    out = generate_in_subprocess({"engine": engine, "metrics": True,
-                                  "runs": [{"prompts": prompts[:n], "params": GREEDY}]}, tmp_path)
-    assert out["outputs"][0] == alone[:n]
+    return {"engine": engine, "metrics": True,
+            "runs": [{"prompts": prompts[:PREEMPTED], "params": GREEDY}]}
+
+
+def test_preemption_with_a_small_kv_cache(plugin_runs, alone):
+    """A KV cache too small for the batch: vLLM preempts and recomputes; output unchanged."""
+    out = plugin_runs["preemption"]
+    assert out["outputs"][0] == alone[:PREEMPTED]
     print(f"\npreemptions: {out['metrics'].get('vllm:num_preemptions')}")
     assert out["metrics"].get("vllm:num_preemptions", 0) > 0
 
@@ -859,22 +881,25 @@ LONG = [1, 2, 3, 8]  # prompts of 68-126 tokens: over CHUNK, within one 128-bloc
 CHUNK = 64
 
 
-def test_chunked_prefill_and_prefix_cache_on_generated_text(target_dir, drafter_dir, prompts, alone,
-                                                            subprocess_runs, tmp_path):
+def chunked_prefill_job(target_dir: Path, drafter_dir: Path, prompts, steps: Path) -> dict:
+    engine = {**engine_kwargs(target_dir), "max_num_batched_tokens": CHUNK, "max_num_seqs": 8,
+              "enable_prefix_caching": True, "disable_log_stats": False,
+              "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
+                                     "beam_width": 4, "beam_length": 4, "beam_policy": "fixed"}}
+    return {"engine": engine, "metrics": True, "env": {"VLLM_REDRAFTER_STEP_LOG": str(steps)},
+            "runs": [{"prompts": [prompts[i] for i in LONG], "params": GREEDY},
+                     {"continue": [0, list(range(len(LONG)))], "params": GREEDY}]}
+
+
+def test_chunked_prefill_and_prefix_cache_on_generated_text(prompts, alone, subprocess_runs,
+                                                            plugin_runs):
     """An engine whose step budget is 64 tokens: the long prompts are prefilled in chunks, beside
     other requests' tree steps. Then each prompt + its answer is sent again: the prefix cache
     serves the first block, which holds generated text the tree steps wrote (the accepted nodes'
     KV moved in place). Both rounds give vLLM alone's output."""
     assert all(CHUNK < len(prompts[i]) < 128 for i in LONG)
-    engine = {**engine_kwargs(target_dir), "max_num_batched_tokens": CHUNK, "max_num_seqs": 8,
-              "enable_prefix_caching": True, "disable_log_stats": False,
-              "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
-                                     "beam_width": 4, "beam_length": 4, "beam_policy": "fixed"}}
-    job = {"engine": engine, "metrics": True, "runs": [
-        {"prompts": [prompts[i] for i in LONG], "params": GREEDY},
-        {"continue": [0, list(range(len(LONG)))], "params": GREEDY}]}
-    steps = tmp_path / "steps.jsonl"
-    out = generate_in_subprocess(job, tmp_path / "run", {"VLLM_REDRAFTER_STEP_LOG": str(steps)})
+    out = plugin_runs["chunked_prefill"]
+    steps = out["steps"]
     assert out["outputs"][0] == [alone[i] for i in LONG]
     assert out["outputs"][1] == subprocess_runs["alone"]["outputs"][ALONE_RUNS["long_continued"]]
     # every second-round request hit the cache past its original prompt: on generated text
@@ -899,8 +924,17 @@ def test_chunked_prefill_and_prefix_cache_on_generated_text(target_dir, drafter_
 # -- bf16 --------------------------------------------------------------------------------------------
 
 
-def test_bf16_engine_drafts_trees_where_the_cache_layout_is_known(target_dir, drafter_dir, prompts,
-                                                                 tmp_path):
+def bf16_job(target_dir: Path, drafter_dir: Path, prompts) -> dict:
+    engine = {**engine_kwargs(target_dir), "dtype": "bfloat16", "disable_log_stats": False,
+              "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
+                                     "beam_width": 4, "beam_length": 3, "beam_policy": "fixed"}}
+    greedy = {**GREEDY, "max_tokens": 16}
+    return {"engine": engine, "metrics": True, "runs": [
+        {"prompts": prompts[:2], "params": greedy},
+        {"prompts": prompts[:2], "params": {**greedy, "logprobs": 0}}]}
+
+
+def test_bf16_engine_drafts_trees_where_the_cache_layout_is_known(plugin_runs):
     """In bf16 vLLM's CPU attention packs the cache for AMX where the CPU has AMX tiles (its
     "amx" layout, not known to the tree kernel): there the engine drafts chains and warns
     (docs/design.md, What is not supported); elsewhere ("vec" layout) it drafts trees. Tiny run:
@@ -908,13 +942,7 @@ def test_bf16_engine_drafts_trees_where_the_cache_layout_is_known(target_dir, dr
     from vllm_redrafter.cpu_features import cpu_isa
 
     amx = torch.cpu._is_amx_tile_supported()  # what vLLM's _get_attn_isa asks
-    engine = {**engine_kwargs(target_dir), "dtype": "bfloat16", "disable_log_stats": False,
-              "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
-                                     "beam_width": 4, "beam_length": 3, "beam_policy": "fixed"}}
-    greedy = {**GREEDY, "max_tokens": 16}
-    job = {"engine": engine, "metrics": True, "runs": [{"prompts": prompts[:2], "params": greedy},
-                                      {"prompts": prompts[:2], "params": {**greedy, "logprobs": 0}}]}
-    out = generate_in_subprocess(job, tmp_path)
+    out = plugin_runs["bf16"]
     metrics = out["metrics_per_run"][0]
     drafts, draft_tokens = (metrics[f"vllm:spec_decode_num_{name}"] for name in (
         "drafts", "draft_tokens"))
