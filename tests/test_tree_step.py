@@ -14,7 +14,12 @@ from vllm_redrafter.kernels import pack_tree_mask
 from vllm_redrafter.kernels.tree_attention import tree_attention_reference
 from vllm_redrafter.tree import PackedTree, build_tree, truncate_tree
 from vllm_redrafter.verify import verify_greedy, verify_greedy_choice
-from vllm_redrafter.vllm_plugin.tree_step import RequestTree, ancestor_words, build_tree_step
+from vllm_redrafter.vllm_plugin.tree_step import (
+    RequestTree,
+    ancestor_words,
+    build_tree_step,
+    lowest_beams,
+)
 
 # The worked example of tree.py: W = 4, L = 3, g0 = 5.
 BEAMS = torch.tensor([[[5, 1, 2], [5, 1, 3], [5, 4, 2], [5, 4, 6]]])
@@ -55,6 +60,34 @@ def test_step_lines_trees_up_with_scheduled_rows_and_cuts():
     assert step.trees[0] == tree and step.trees[2] == tree.prefix(4)
     assert step.trees[2].parent == (-1, 0, 1, 1)
     assert not step.is_chain
+
+
+def test_depth_by_beams_is_what_the_first_w_beams_alone_accept():
+    """Random beams sharing prefixes, packed as the proposer packs them (cut to a budget too):
+    for every w, how deep the accepted path runs on the first w beams equals the longest match
+    of the target's continuation among those beams alone (brute force)."""
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        W, L = 6, 5
+        beams = torch.randint(0, 3, (1, W, L), generator=rng)  # 3 tokens: many shared prefixes
+        beams[:, :, 0] = 7
+        target = [7, *torch.randint(0, 3, (L,), generator=rng).tolist()]
+        tree = truncate_tree(build_tree(beams), 1 + trial % (W * L))
+        n = int(tree.num_packed[0])
+        request = RequestTree(tuple(tree.tokens[0, :n].tolist()), tuple(tree.parent[0, :n].tolist()),
+                              tuple(tree.depth[0, :n].tolist()),
+                              beam_of=lowest_beams(tree.is_new.sum(-1)[0].tolist(), n))
+        path = request.accepted_path(target[1:])
+        kept = tree.unpack_index[0]  # -1: cut by the budget
+
+        def matched(i: int) -> int:  # drafts of beam i the target accepts, within what was kept
+            j = 1
+            while j < L and kept[i, j] >= 0 and beams[0, i, j] == target[j]:
+                j += 1
+            return j - 1
+
+        expected = tuple(max(matched(i) for i in range(w)) for w in range(1, W + 1))
+        assert request.depth_by_beams(path, W) == expected, (trial, beams, target)
 
 
 def test_mismatching_drafts_are_verified_as_a_chain():

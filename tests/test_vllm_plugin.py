@@ -1,9 +1,9 @@
 """ReDrafter inside vLLM 0.32.0 (CPU, the embedded SmolLM2 target): output, hidden state, metrics.
 
-Engine starts are the cost here, so there are few: "vLLM alone" (plugin NOT loaded) runs once in
-a subprocess; the tests that need an engine of their own with the plugin loaded (plain vLLM,
-preemption, chunked prefill, bf16) run theirs one after another in one more; one redrafter engine
-runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach its proposer's
+Engine starts are the cost here, so there are few: "vLLM alone" (plugin NOT loaded) runs in one
+subprocess (its greedy references, then the sampling tests' samples); the tests that need an
+engine of their own with the plugin loaded (plain vLLM, preemption, chunked prefill, bf16) run
+theirs one after another in one more; one redrafter engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach its proposer's
 debug hooks (``trace``, ``beam_source``, the drafter). The server is tested in test_server.py.
 
 The drafter is ``vllm_redrafter/default_drafter`` when the package ships one, else a tiny random
@@ -80,9 +80,11 @@ def eval_prompts(target_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def subprocess_runs(target_dir, prompts, eval_prompts, tmp_path_factory) -> dict[str, dict]:
-    """vLLM alone (plugin not loaded): its greedy outputs, where stop conditions fall mid-path,
-    seeded sampling, ... (see ALONE_RUNS)."""
+def subprocess_runs(target_dir, prompts, eval_prompts, exact_prompt, exact_size,
+                    tmp_path_factory) -> dict[str, dict]:
+    """vLLM alone (plugin not loaded), two engines one after the other in one subprocess:
+    "alone" (its greedy outputs, where stop conditions fall mid-path, seeded sampling, ...: see
+    ALONE_RUNS) and "alone_samples" (the sampling tests' samples: ``alone_samples``)."""
     runs = [{"prompts": prompts, "params": GREEDY}]
     runs += [{"prompts": prompts[:STOPPING_PROMPTS], "params": p} for p in STOPPING.values()]
     runs += [{"prompts": prompts[:4], "params": SEEDED}]
@@ -91,9 +93,10 @@ def subprocess_runs(target_dir, prompts, eval_prompts, tmp_path_factory) -> dict
         runs += [{"prompts": [prompts[i] for i in index], "params": params}]
     runs += [{"continue": [0, LONG], "params": GREEDY}]
     runs += [{"prompts": eval_prompts, "params": GREEDY}]
-    return {"alone": generate_in_subprocess({"engine": engine_kwargs(target_dir), "runs": runs},
-                                            tmp_path_factory.mktemp("alone"),
-                                            {"VLLM_PLUGINS": ""})}
+    jobs = {"alone": {"engine": engine_kwargs(target_dir), "runs": runs},
+            "alone_samples": alone_samples_job(target_dir, exact_prompt, exact_size)}
+    return generate_in_subprocess({"jobs": jobs}, tmp_path_factory.mktemp("alone"),
+                                  {"VLLM_PLUGINS": ""}, timeout=2700)
 
 
 @pytest.fixture(scope="module")
@@ -1194,21 +1197,24 @@ def exact_prompt(target_dir) -> list[int]:
     return AutoTokenizer.from_pretrained(target_dir)(EXACT_PROMPT)["input_ids"]
 
 
-@pytest.fixture(scope="module")
-def alone_samples(target_dir, exact_prompt, exact_size,
-                  tmp_path_factory) -> dict[str, list[list[int]]]:
-    """vLLM alone (plugin not loaded): its greedy continuation ("path") and, per ALONE_ARMS arm,
-    seeded samples of tokens 5 and 6 given tokens 1-4 = path[:4] (the prompt + path[:4] sampled
-    for 2 tokens), returned as 6-token outputs path[:4] + the 2."""
+def alone_samples_job(target_dir: Path, exact_prompt: list[int], exact_size: ExactSize) -> dict:
+    """vLLM alone's greedy continuation of the prompt, then per ALONE_ARMS arm seeded samples
+    of 2 tokens after the prompt + its first PREFIX tokens."""
     runs = [{"prompts": [exact_prompt],
              "params": {"temperature": 0.0, "max_tokens": EXACT_MAX_TOKENS}}]
     runs += [{"continue": [0, [0] * n, PREFIX],
               "params": [{**p, "seed": i, "max_tokens": COMPARED.stop - PREFIX} for i in range(n)]}
              for p, n in ((ALONE_ARMS[arm], exact_size.alone[arm]) for arm in ALONE_ARMS)]
     engine = {**engine_kwargs(target_dir), "kv_cache_memory_bytes": 2 << 30}  # 256 at a time
-    out = generate_in_subprocess({"engine": engine, "runs": runs},
-                                 tmp_path_factory.mktemp("alone_samples"), {"VLLM_PLUGINS": ""},
-                                 timeout=1800)
+    return {"engine": engine, "runs": runs}
+
+
+@pytest.fixture(scope="module")
+def alone_samples(subprocess_runs) -> dict[str, list[list[int]]]:
+    """vLLM alone (plugin not loaded): its greedy continuation ("path") and, per ALONE_ARMS arm,
+    seeded samples of tokens 5 and 6 given tokens 1-4 = path[:4] (the prompt + path[:4] sampled
+    for 2 tokens), returned as 6-token outputs path[:4] + the 2."""
+    out = subprocess_runs["alone_samples"]
     path = out["outputs"][0][0]
     return {"path": path, **{arm: [path[:PREFIX] + o for o in outputs]
                              for arm, outputs in zip(ALONE_ARMS, out["outputs"][1:])}}

@@ -133,6 +133,8 @@ class VerifiedTree:
     packed: int  # the drafter's tree nodes, root included (1 where width is 0: no drafter beams)
     accepted: int  # draft tokens accepted along the drafter's beams
     candidate_nodes: int = 0  # nodes only context candidates added: verified too
+    by_beams: tuple[int, ...] = ()  # what the first w beams alone accepted, w = 1 .. width
+    # (RequestTree.depth_by_beams; exact under greedy verification); () = not known
 
 
 @dataclass(frozen=True)
@@ -210,20 +212,27 @@ class Line:
 
 
 class AcceptanceStats:
-    """Decayed counts, per beam width W and depth d, of verified trees and of those with
-    ``accepted >= d``; and the packed tree sizes per shape.
+    """Decayed counts, per beam width W and depth d, of trees and of those whose first W beams
+    accepted ``>= d``; and the packed tree sizes per shape.
 
-    All counts fade with every step: what was not drafted lately weighs less. Estimates are
-    monotone: a wider beam never accepts less (per depth, the widths' rates are pooled where
-    they disagree, weighted by their counts, so fresh trees at one width move the stale figures
-    of the others), more depth never more. When exploring, a width little seen is rated up by
-    an upper confidence bound, so it is tried again.
+    A tree of width D counts at every width w <= D it knows (``VerifiedTree.by_beams``): what its
+    first w beams accepted on the same text. So the narrowest width's rate is always fresh, and a
+    wider width W is rated by **paired gains**: that fresh rate times the ratio, on the trees at
+    least W wide, of what W beams accepted to what the narrowest did (a ratio of two counts that
+    fade alike, so it keeps its value while W is not drafted; texts change the rates far more
+    than the gain of a wider tree). All counts fade with every step. Estimates are monotone: a
+    wider beam never accepts less (rates pooled where they disagree, weighted by their counts),
+    more depth never more. When exploring, a width little seen is rated up by an upper
+    confidence bound, so it is tried again.
     """
 
     def __init__(self, widths: Sequence[int], decay: float = 0.99, ucb: float = 0.1) -> None:
         self.widths, self.decay, self.ucb = list(widths), decay, ucb
-        self.hits: dict[tuple[int, int], float] = {}  # (W, d) -> trees with accepted >= d
-        self.trials: dict[tuple[int, int], float] = {}  # (W, d) -> trees of width W, length > d
+        self.anchor = self.widths[0]  # the narrowest width: every tree that knows it counts there
+        self.hits: dict[tuple[int, int], float] = {}  # (W, d) -> trees whose W beams took >= d
+        self.trials: dict[tuple[int, int], float] = {}  # (W, d) -> trees of width >= W, length > d
+        self.paired: dict[tuple[int, int], list[float]] = {}  # (W, d) -> [hits of W, of the
+        # anchor] on the trees that know both
         self.packed_sum: dict[tuple[int, int], float] = {}  # (W, L) -> their nodes
         self.packed_n: dict[tuple[int, int], float] = {}  # (W, L) -> trees
         self.total = 0.0
@@ -234,15 +243,42 @@ class AcceptanceStats:
         for counts in (self.hits, self.trials, self.packed_sum, self.packed_n):
             for key in counts:
                 counts[key] *= self.decay
+        for pair in self.paired.values():
+            pair[0] *= self.decay
+            pair[1] *= self.decay
         self.total = self.total * self.decay + len(trees)
         for t in trees:
-            for d in range(1, t.length):
-                self.trials[(t.width, d)] = self.trials.get((t.width, d), 0.0) + 1
-                self.hits[(t.width, d)] = self.hits.get((t.width, d), 0.0) + (t.accepted >= d)
+            known = self._known(t)
+            for w, accepted in known.items():
+                for d in range(1, t.length):
+                    self.trials[(w, d)] = self.trials.get((w, d), 0.0) + 1
+                    self.hits[(w, d)] = self.hits.get((w, d), 0.0) + (accepted >= d)
+                    if w != self.anchor and self.anchor in known:
+                        pair = self.paired.setdefault((w, d), [0.0, 0.0])
+                        pair[0] += accepted >= d
+                        pair[1] += known[self.anchor] >= d
             shape = (t.width, t.length)
             self.packed_sum[shape] = self.packed_sum.get(shape, 0.0) + t.packed
             self.packed_n[shape] = self.packed_n.get(shape, 0.0) + 1
         self._rates = {}
+
+    def _known(self, t: VerifiedTree) -> dict[int, int]:
+        """Width -> drafts accepted, for the widths this tree tells of: its own, and each
+        narrower one of ``widths`` its ``by_beams`` covers."""
+        told = min(t.width - 1, len(t.by_beams))
+        return {**{w: t.by_beams[w - 1] for w in self.widths if w <= told}, t.width: t.accepted}
+
+    def _paired_rate(self, width: int, depth: int) -> float:
+        """P(accepted >= depth | width) before pooling: the anchor's fresh rate times the paired
+        gain (plus-one smoothed: few hits make no wild ratio); a width without paired trees, or
+        the anchor itself: its own counts."""
+        own = self.hits.get((width, depth), 0.0) / self.trials[(width, depth)]
+        pair = self.paired.get((width, depth))
+        base = self.trials.get((self.anchor, depth), 0.0)
+        if width == self.anchor or pair is None or not base:
+            return own
+        fresh = self.hits.get((self.anchor, depth), 0.0) / base
+        return min(1.0, fresh * (pair[0] + 1.0) / (pair[1] + 1.0))
 
     def rate(self, width: int, depth: int) -> float:
         """P(accepted >= depth | width), monotone in width; a width not seen at this depth: the
@@ -250,7 +286,7 @@ class AcceptanceStats:
         if not self._rates:
             for d in {d for _, d in self.trials}:
                 seen = [w for w in self.widths if self.trials.get((w, d), 0.0) > 0]
-                means = [self.hits.get((w, d), 0.0) / self.trials[(w, d)] for w in seen]
+                means = [self._paired_rate(w, d) for w in seen]
                 pooled = monotone(means, [self.trials[(w, d)] for w in seen])
                 self._rates.update({(w, d): r for w, r in zip(seen, pooled)})
         if (width, depth) in self._rates:

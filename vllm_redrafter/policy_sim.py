@@ -62,10 +62,13 @@ class Acceptance:
 
     at_least: dict[int, tuple[float, ...]]
 
-    def accepted(self, rng: random.Random, width: int, length: int) -> int:
-        """Accepted drafts of one tree: one uniform draw against the decreasing P(>= d)."""
+    def accepted(self, rng: random.Random, width: int, length: int) -> tuple[int, ...]:
+        """Accepted drafts of one tree by its first w beams, w = 1 .. width (the last: the
+        tree's): one uniform draw against each w's decreasing P(>= d), the same draw for every
+        w, so a wider tree never accepts less (w between two tabled widths: the narrower)."""
         u = rng.random()
-        return sum(p > u for p in self.at_least[width][: length - 1])
+        tabled = [max(t for t in self.at_least if t <= w) for w in range(1, width + 1)]
+        return tuple(sum(p > u for p in self.at_least[t][: length - 1]) for t in tabled)
 
     def tokens_per_step(self, width: int, length: int) -> float:
         return 1.0 + sum(self.at_least[width][: length - 1])
@@ -174,14 +177,16 @@ class SimStep:
 def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int], Machine],
         acceptance: Acceptance, batch: int, steps: int, seed: int = 0, noise: float = 0.0,
         kind: str = "greedy", tag: str = "r",
-        candidates: Sequence[Sequence[float]] | None = None) -> list[SimStep]:
+        candidates: Sequence[Sequence[float]] | None = None, paired: bool = True
+        ) -> list[SimStep]:
     """``steps`` decode steps of ``batch`` requests under ``policy`` (or one fixed shape, (0, 0):
     plain). ``machine``: or a function of the step index (a machine that changes mid-run).
     ``noise``: each step's parts times a uniform factor in [1 - noise, 1 + noise]. ``tag``
     names the requests: a run with another tag is a new batch (its first step not timed).
     ``candidates``: per request, P(its context candidate's first d tokens are right), d = 1..;
     each step offers each request one candidate of ``policy.max_length`` - 1 tokens, which the
-    policy takes or not (a fixed shape: always)."""
+    policy takes or not (a fixed shape: always). ``paired=False``: the trees do not tell what
+    their first w beams accepted (``VerifiedTree.by_beams``), a control for paired gains."""
     rng = random.Random(seed)
     ids = tuple(f"{tag}{i}" for i in range(batch))
     now, verified, draft_seconds, log, emitted = 0.0, (), 0.0, [], 0
@@ -218,10 +223,12 @@ def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int],
         jitter = (lambda: 1 + noise * (2 * rng.random() - 1)) if noise else (lambda: 1.0)
         packed = packed_nodes(width, length) if width else 1.0
         draft_seconds = m.draft(batch, width, length) * jitter() if width else 0.0
-        drafter = [acceptance.accepted(rng, width, length) if width else 0 for _ in ids]
+        by_beams = [acceptance.accepted(rng, width, length) if width else () for _ in ids]
+        drafter = [b[-1] if b else 0 for b in by_beams]
         accepted = [max(a, right[r] if took[r] else 0) for r, a in enumerate(drafter)]
         extra = [depth - min(drafter[r], right[r]) if took[r] else 0 for r in range(batch)]
-        verified = tuple(VerifiedTree(kind, width, length, round(packed), drafter[r], extra[r])
+        verified = tuple(VerifiedTree(kind, width, length, round(packed), drafter[r], extra[r],
+                                      by_beams[r] if paired else ())
                          for r in range(batch) if width or took[r])
         n = sum(packed + extra[r] if width or took[r] else 1 for r in range(batch))
         if candidates is not None:

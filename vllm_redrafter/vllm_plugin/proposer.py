@@ -75,7 +75,7 @@ from vllm_redrafter.vllm_plugin.config import (
 )
 from vllm_redrafter.vllm_plugin.cpu_gemm import use_vllm_cpu_gemm
 from vllm_redrafter.vllm_plugin.timing import StepTimings, timed
-from vllm_redrafter.vllm_plugin.tree_step import RequestTree
+from vllm_redrafter.vllm_plugin.tree_step import RequestTree, lowest_beams
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under vLLM's logger: its handler and level
 
@@ -369,7 +369,7 @@ class ReDrafterProposer:
             self.num_candidate_wins += len(path) - 1 > depth
             self.num_candidate_tokens += len(path) - 1 - depth
             verified.append(VerifiedTree(_kind(request), *shape, len(tree.tokens) - extra, depth,
-                                         extra))
+                                         extra, tree.depth_by_beams(path, shape[0])))
         return tuple(verified), drafter_accepted
 
     def _trees(
@@ -394,10 +394,11 @@ class ReDrafterProposer:
                                             _int_or_tensor(lengths, device)), cap + 1)
             real = torch.arange(W_max, device=device) < torch.tensor(widths, device=device)[:, None]
             finite = (out.scores[:, :W_max].isfinite() | ~real).all(dim=1)  # [B]
-            tokens, parent, depth, num, ok = (tree.tokens.tolist(), tree.parent.tolist(),
-                                              tree.depth.tolist(), tree.num_packed.tolist(),
-                                              finite.tolist())  # the step's host transfer
-        packed = (tokens, parent, depth, num)
+            tokens, parent, depth, num, new, ok = (
+                tree.tokens.tolist(), tree.parent.tolist(), tree.depth.tolist(),
+                tree.num_packed.tolist(), tree.is_new.sum(-1).tolist(),
+                finite.tolist())  # the step's host transfer
+        packed = (tokens, parent, depth, num, new)
         return [self._request_tree(packed, b, ok[b], shape.verification,
                                    self._rejection_extra(tree, out, b, W_max, L_max)
                                    if shape.verification == "rejection" else None)
@@ -436,10 +437,11 @@ class ReDrafterProposer:
             merged, rows = merge_candidates(beams, widths, lengths, last_tokens, found)
             tree = truncate_tree(build_tree(merged.to(device), torch.tensor(rows, device=device)),
                                  cap + 1)
-            tokens, parent, depth, num, unpack = (
+            tokens, parent, depth, num, unpack, new = (
                 tree.tokens.tolist(), tree.parent.tolist(), tree.depth.tolist(),
-                tree.num_packed.tolist(), tree.unpack_index.tolist())
-        packed = (tokens, parent, depth, num)
+                tree.num_packed.tolist(), tree.unpack_index.tolist(),
+                tree.is_new.sum(-1).tolist())
+        packed = (tokens, parent, depth, num, new)
         trees: list[RequestTree | None] = []
         for b, shape in enumerate(shapes):
             mine = {0} | {j for row in unpack[b][: widths[b]] for j in row if 0 <= j < num[b]}
@@ -454,14 +456,14 @@ class ReDrafterProposer:
         return trees
 
     def _request_tree(
-        self, packed: tuple[list, list, list, list], b: int, ok: bool, mode: str, extra: object,
-        drafter_nodes: set[int] | None = None,
+        self, packed: tuple[list, list, list, list, list], b: int, ok: bool, mode: str,
+        extra: object, drafter_nodes: set[int] | None = None,
     ) -> RequestTree | None:
-        """Request b's tree from the batch's packed lists (tokens, parent, depth, num_packed),
-        with ``drafter_nodes`` the packed nodes a drafter beam carries (None: all); None, and
-        the failure noted, where the drafter gave non-finite scores or a token outside the
-        vocabulary (the request then steps without drafts)."""
-        tokens, parent, depth, num = packed
+        """Request b's tree from the batch's packed lists (tokens, parent, depth, num_packed,
+        new nodes per beam row), with ``drafter_nodes`` the packed nodes a drafter beam carries
+        (None: all); None, and the failure noted, where the drafter gave non-finite scores or a
+        token outside the vocabulary (the request then steps without drafts)."""
+        tokens, parent, depth, num, new = packed
         n = num[b]
         vocab = self.model_config.get_vocab_size()
         if not ok or not all(0 <= t < vocab for t in tokens[b][:n]):
@@ -469,7 +471,7 @@ class ReDrafterProposer:
             return None
         from_drafter = () if drafter_nodes is None else tuple(j in drafter_nodes for j in range(n))
         return RequestTree(tuple(tokens[b][:n]), tuple(parent[b][:n]), tuple(depth[b][:n]), mode,
-                           extra, from_drafter)
+                           extra, from_drafter, lowest_beams(new[b], n))
 
     @staticmethod
     def _rejection_extra(tree, out: BeamSearchOutput, b: int, width: int, length: int,

@@ -38,6 +38,8 @@ class RequestTree:
     extra: object = None  # what a verification mode needs besides the tree (rejection: beams, q)
     from_drafter: tuple[bool, ...] = ()  # [P] node on a drafter beam (else only on a context
     # candidate); () = every node is the drafter's
+    beam_of: tuple[int, ...] = ()  # [P] the lowest beam (row) carrying each node: drafter beams
+    # first, then context candidates; () = not known
 
     @property
     def candidate_nodes(self) -> int:
@@ -53,7 +55,7 @@ class RequestTree:
         """The first ``num_nodes`` packed nodes: still a tree (a parent precedes its children)."""
         n = num_nodes
         return RequestTree(self.tokens[:n], self.parent[:n], self.depth[:n], self.mode, self.extra,
-                           self.from_drafter[:n])
+                           self.from_drafter[:n], self.beam_of[:n])
 
     def accepted_path(self, accepted: Sequence[int]) -> list[int]:
         """Packed nodes of the path that emitted ``accepted`` (the accepted drafts), root first.
@@ -76,14 +78,39 @@ class RequestTree:
             return len(path) - 1
         return next((d for d, node in enumerate(path) if not self.from_drafter[node]), len(path)) - 1
 
+    def depth_by_beams(self, path: Sequence[int], width: int) -> tuple[int, ...]:
+        """How deep ``path`` runs on the first w drafter beams alone, w = 1 .. width: what a
+        tree of the first w beams would have accepted, exactly so under greedy verification
+        (along a path the lowest beam carrying a node only grows); () where beam_of is unknown.
+
+        >>> tree = RequestTree((5, 1, 2, 4, 3), (-1, 0, 1, 0, 1), (0, 1, 2, 1, 2),
+        ...                    beam_of=(0, 0, 0, 1, 2))
+        >>> tree.depth_by_beams([0, 1, 4], 3)
+        (1, 1, 2)
+        """
+        if not self.beam_of:
+            return ()
+        return tuple(sum(self.beam_of[p] < w for p in path[1:]) for w in range(1, width + 1))
+
     @staticmethod
     def chain(tokens: Sequence[int], mode: str = "exact") -> RequestTree:
         n = len(tokens)
-        return RequestTree(tuple(tokens), tuple(range(-1, n - 1)), tuple(range(n)), mode)
+        return RequestTree(tuple(tokens), tuple(range(-1, n - 1)), tuple(range(n)), mode,
+                           beam_of=(0,) * n)
 
     @property
     def is_chain(self) -> bool:
         return all(p == j - 1 for j, p in enumerate(self.parent))
+
+
+def lowest_beams(new_per_row: Sequence[int], num_packed: int) -> tuple[int, ...]:
+    """``RequestTree.beam_of`` from build_tree's new nodes per beam row (``is_new.sum(-1)``):
+    nodes are packed row by row, so row i's new nodes follow row i - 1's.
+
+    >>> lowest_beams([3, 1, 0, 2], 5)
+    (0, 0, 0, 1, 3)
+    """
+    return tuple(i for i, count in enumerate(new_per_row) for _ in range(count))[:num_packed]
 
 
 @dataclass
