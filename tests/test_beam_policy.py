@@ -105,8 +105,8 @@ def test_little_seen_shapes_are_hoped_high_and_what_fades_is_soon_outweighed():
 
 def test_paired_gains_rate_a_wider_width_on_the_text_now_drafted():
     """W=4 trees on easy text (their first beam accepts 0.8 at depth 1, all four 0.9), then
-    only W=1 chains on hard text (0.3): W=4 is rated at the fresh 0.3 times the paired gain
-    0.9 / 0.8, not at its stale 0.9, which would keep the policy drafting W=4 on text where
+    only W=1 chains on hard text (0.3): W=4 is rated at the fresh 0.3 plus the paired gain
+    0.9 - 0.8, not at its stale 0.9, which would keep the policy drafting W=4 on text where
     W=1 earns nearly as much. Without ``by_beams`` (the negative control) it stays stale."""
     def easy(paired: bool) -> list:
         pattern = [(1, 1, 1, 1)] * 8 + [(0, 1, 1, 1), (0, 0, 0, 0)]
@@ -117,18 +117,15 @@ def test_paired_gains_rate_a_wider_width_on_the_text_now_drafted():
         stats = AcceptanceStats([1, 2, 4], decay=0.98, ucb=0.0)
         for _ in range(10):
             stats.observe(easy(paired))
-        assert stats.rate(4, 1) == pytest.approx(0.9, abs=0.01)  # (smoothed)
+        assert stats.rate(4, 1) == pytest.approx(0.9)
         if paired:  # the narrower widths were counted on the same trees
-            assert stats.rate(1, 1) == pytest.approx(0.8)
-            assert stats.rate(2, 1) == pytest.approx(0.9, abs=0.01)
+            assert stats.rate(1, 1) == pytest.approx(0.8) and stats.rate(2, 1) == pytest.approx(0.9)
         for i in range(200):
             stats.observe(trees(1, 2, [int(i % 10 < 3)]))
         assert stats.rate(1, 1) == pytest.approx(0.3, abs=0.03)
         rates[paired] = stats.rate(1, 1), stats.rate(4, 1)
-    faded = sum(0.98 ** k for k in range(200, 210))  # what the 10 easy steps' weight is now
-    gain = (9 * faded + 1) / (8 * faded + 1)  # the paired hits of W=4 / of W=1, plus-one smoothed
     fresh, wide = rates[True]
-    assert wide == pytest.approx(fresh * gain) and wide < 0.35
+    assert wide == pytest.approx(fresh + 0.1)
     assert rates[False][1] == pytest.approx(0.9)  # stale: only W=4's own trees
 
 

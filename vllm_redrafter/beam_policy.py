@@ -217,10 +217,10 @@ class AcceptanceStats:
 
     A tree of width D counts at every width w <= D it knows (``VerifiedTree.by_beams``): what its
     first w beams accepted on the same text. So the narrowest width's rate is always fresh, and a
-    wider width W is rated by **paired gains**: that fresh rate times the ratio, on the trees at
-    least W wide, of what W beams accepted to what the narrowest did (a ratio of two counts that
-    fade alike, so it keeps its value while W is not drafted; texts change the rates far more
-    than the gain of a wider tree). All counts fade with every step. Estimates are monotone: a
+    wider width W is rated by **paired gains**: that fresh rate plus what W beams accepted beyond
+    the first one, per tree, on the trees at least W wide (counts that fade alike, so the gain
+    keeps its value while W is not drafted; texts change the rates far more than the gain of a
+    wider tree). All counts fade with every step. Estimates are monotone: a
     wider beam never accepts less (rates pooled where they disagree, weighted by their counts),
     more depth never more. When exploring, a width little seen is rated up by an upper
     confidence bound, so it is tried again.
@@ -231,8 +231,8 @@ class AcceptanceStats:
         self.anchor = self.widths[0]  # the narrowest width: every tree that knows it counts there
         self.hits: dict[tuple[int, int], float] = {}  # (W, d) -> trees whose W beams took >= d
         self.trials: dict[tuple[int, int], float] = {}  # (W, d) -> trees of width >= W, length > d
-        self.paired: dict[tuple[int, int], list[float]] = {}  # (W, d) -> [hits of W, of the
-        # anchor] on the trees that know both
+        self.paired: dict[tuple[int, int], list[float]] = {}  # (W, d) -> [hits of W, hits of
+        # the anchor, trees] on the trees that know both
         self.packed_sum: dict[tuple[int, int], float] = {}  # (W, L) -> their nodes
         self.packed_n: dict[tuple[int, int], float] = {}  # (W, L) -> trees
         self.total = 0.0
@@ -244,8 +244,7 @@ class AcceptanceStats:
             for key in counts:
                 counts[key] *= self.decay
         for pair in self.paired.values():
-            pair[0] *= self.decay
-            pair[1] *= self.decay
+            pair[:] = [x * self.decay for x in pair]
         self.total = self.total * self.decay + len(trees)
         for t in trees:
             known = self._known(t)
@@ -254,9 +253,10 @@ class AcceptanceStats:
                     self.trials[(w, d)] = self.trials.get((w, d), 0.0) + 1
                     self.hits[(w, d)] = self.hits.get((w, d), 0.0) + (accepted >= d)
                     if w != self.anchor and self.anchor in known:
-                        pair = self.paired.setdefault((w, d), [0.0, 0.0])
+                        pair = self.paired.setdefault((w, d), [0.0, 0.0, 0.0])
                         pair[0] += accepted >= d
                         pair[1] += known[self.anchor] >= d
+                        pair[2] += 1
             shape = (t.width, t.length)
             self.packed_sum[shape] = self.packed_sum.get(shape, 0.0) + t.packed
             self.packed_n[shape] = self.packed_n.get(shape, 0.0) + 1
@@ -269,16 +269,16 @@ class AcceptanceStats:
         return {**{w: t.by_beams[w - 1] for w in self.widths if w <= told}, t.width: t.accepted}
 
     def _paired_rate(self, width: int, depth: int) -> float:
-        """P(accepted >= depth | width) before pooling: the anchor's fresh rate times the paired
-        gain (plus-one smoothed: few hits make no wild ratio); a width without paired trees, or
-        the anchor itself: its own counts."""
+        """P(accepted >= depth | width) before pooling: the anchor's fresh rate plus the paired
+        gain (what W beams accepted beyond the first one, per tree, on the same trees); a width
+        without paired trees, or the anchor itself: its own counts."""
         own = self.hits.get((width, depth), 0.0) / self.trials[(width, depth)]
         pair = self.paired.get((width, depth))
         base = self.trials.get((self.anchor, depth), 0.0)
-        if width == self.anchor or pair is None or not base:
+        if width == self.anchor or pair is None or not pair[2] or not base:
             return own
         fresh = self.hits.get((self.anchor, depth), 0.0) / base
-        return min(1.0, fresh * (pair[0] + 1.0) / (pair[1] + 1.0))
+        return min(1.0, fresh + (pair[0] - pair[1]) / pair[2])
 
     def rate(self, width: int, depth: int) -> float:
         """P(accepted >= depth | width), monotone in width; a width not seen at this depth: the
