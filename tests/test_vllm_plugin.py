@@ -361,6 +361,7 @@ def assert_drafter_got_the_right_hidden_state(records) -> None:
 
 TREE_MUTATIONS = ("SKIP_KV_MOVE", "CAUSAL_TREE_MASK", "NO_POSITION_REWRITE")
 MUTATION_PROMPTS = 8  # requests per mutation run (4 of them W = 4 trees)
+MUTATION_TOKENS = 32  # per request: the 20 prompts' W = 4 outputs differed by token 2-20
 
 
 @pytest.mark.parametrize("mutation", [None, *TREE_MUTATIONS])
@@ -377,14 +378,16 @@ def test_greedy_identical_with_teacher_forced_stand_in(llm, proposer, prompts, a
     """
     from vllm_redrafter.vllm_plugin import mutations
 
+    params = GREEDY
     if mutation is not None:  # a control needs fewer requests: a wrong KV shows within tokens
         monkeypatch.setattr(mutations, mutation, True)
-        prompts, alone = prompts[:MUTATION_PROMPTS], alone[:MUTATION_PROMPTS]
+        prompts, params = prompts[:MUTATION_PROMPTS], {**GREEDY, "max_tokens": MUTATION_TOKENS}
+        alone = [a[:MUTATION_TOKENS] for a in alone[:MUTATION_PROMPTS]]
     proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=2)
     shapes = [beam_shape(1 if i % 2 else 4, 5) for i in range(len(prompts))]
     counts_before = verifier_counts(llm)
     before = spec_metrics(llm)
-    outputs = generate(llm, prompts, [{**GREEDY, **s} for s in shapes])
+    outputs = generate(llm, prompts, [{**params, **s} for s in shapes])
     after = spec_metrics(llm)
     got = [list(o.outputs[0].token_ids) for o in outputs]
     if mutation is not None:
