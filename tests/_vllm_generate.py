@@ -5,7 +5,8 @@ plugin, its patches stay), and the plain plugin-loaded run with the plugin allow
 
 JOB (json): {"engine": {LLM kwargs}, "runs": [run, ...], "metrics": bool, "env": {...}}
   ("env": environment variables set while this job's engine lives), or {"jobs": {name: job}}:
-  each job's engine in turn in this one process (OUT is then {"jobs": {name: its OUT}}).
+  each job's engine in turn in this one process (OUT is then {"jobs": {name: its OUT}}, each
+  with "seconds": the job's time, engine start included).
   run: {"prompts": [[token ids]], "params": {...}} ("params" may also be a list: one dict per
        prompt, as :func:`sampling_params` reads it: "structured_outputs" holds
        StructuredOutputsParams kwargs, "logit_bias" JSON's string keys), or
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 JOB_MARK = "::: _vllm_generate job "  # printed before each of several jobs' logs
 
@@ -99,7 +101,8 @@ def main(job_file: str, out_file: str) -> None:
         results = {}
         for name, one in job["jobs"].items():
             print(f"{JOB_MARK}{name}", flush=True)
-            results[name] = run_job(one)
+            start = time.monotonic()
+            results[name] = {**run_job(one), "seconds": time.monotonic() - start}
         result = {"jobs": results}
     else:
         result = run_job(job)

@@ -3,8 +3,9 @@
 Engine starts are the cost here, so there are few: "vLLM alone" (plugin NOT loaded) runs in one
 subprocess (its greedy references, then the sampling tests' samples); the tests that need an
 engine of their own with the plugin loaded (plain vLLM, preemption, chunked prefill, bf16) run
-theirs one after another in one more; one redrafter engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach its proposer's
-debug hooks (``trace``, ``beam_source``, the drafter). The server is tested in test_server.py.
+theirs one after another in one more; one redrafter engine runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach its proposer's debug hooks
+(``trace``, ``beam_source``, the drafter). The server is tested in test_server.py.
 
 The drafter is ``vllm_redrafter/default_drafter`` when the package ships one, else a tiny random
 drafter: a random drafter is never accepted, so acceptance is exercised with a teacher-forced
@@ -86,7 +87,8 @@ def subprocess_runs(target_dir, prompts, eval_prompts, exact_prompt, exact_size,
     "alone" (its greedy outputs, where stop conditions fall mid-path, seeded sampling, ...: see
     ALONE_RUNS) and "alone_samples" (the sampling tests' samples: ``alone_samples``)."""
     runs = [{"prompts": prompts, "params": GREEDY}]
-    runs += [{"prompts": prompts[:STOPPING_PROMPTS], "params": p} for p in STOPPING.values()]
+    runs += [{"prompts": prompts[:STOPPING_PROMPTS] * len(STOPPING),  # one batch, as ours
+              "params": [p for p in STOPPING.values() for _ in range(STOPPING_PROMPTS)]}]
     runs += [{"prompts": prompts[:4], "params": SEEDED}]
     for sampled in (False, True):
         index, params = mixed_batch(sampled)
@@ -95,8 +97,10 @@ def subprocess_runs(target_dir, prompts, eval_prompts, exact_prompt, exact_size,
     runs += [{"prompts": eval_prompts, "params": GREEDY}]
     jobs = {"alone": {"engine": engine_kwargs(target_dir), "runs": runs},
             "alone_samples": alone_samples_job(target_dir, exact_prompt, exact_size)}
-    return generate_in_subprocess({"jobs": jobs}, tmp_path_factory.mktemp("alone"),
+    runs = generate_in_subprocess({"jobs": jobs}, tmp_path_factory.mktemp("alone"),
                                   {"VLLM_PLUGINS": ""}, timeout=2700)
+    print("\nvLLM alone's runs:", {name: f"{run['seconds']:.0f} s" for name, run in runs.items()})
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -113,11 +117,13 @@ def plugin_runs(target_dir, drafter_dir, prompts, tmp_path_factory) -> dict[str,
             "bf16": bf16_job(target_dir, drafter_dir, prompts)}
     runs = generate_in_subprocess({"jobs": jobs}, work, timeout=1800)
     runs["chunked_prefill"]["steps"] = work / "steps.jsonl"
+    print("\nplugin-loaded runs:", {name: f"{run['seconds']:.0f} s" for name, run in runs.items()})
     return runs
 
 
-# the runs of vLLM alone's subprocess after GREEDY (0), STOPPING (1-3) and SEEDED (4)
-ALONE_RUNS = {"mixed_greedy": 5, "mixed_sampled": 6, "long_continued": 7, "eval": 8}
+# the runs of vLLM alone's subprocess after GREEDY (0), STOPPING (1: every condition in one
+# batch) and SEEDED (2)
+ALONE_RUNS = {"mixed_greedy": 3, "mixed_sampled": 4, "long_continued": 5, "eval": 6}
 
 
 def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None,
@@ -150,13 +156,14 @@ def alone(subprocess_runs) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def alone_stopping(subprocess_runs) -> dict[str, list[list[int]]]:
     """vLLM alone under each STOPPING condition."""
-    return dict(zip(STOPPING, subprocess_runs["alone"]["outputs"][1: 1 + len(STOPPING)]))
+    outputs, n = subprocess_runs["alone"]["outputs"][1], STOPPING_PROMPTS
+    return {name: outputs[i * n: (i + 1) * n] for i, name in enumerate(STOPPING)}
 
 
 @pytest.fixture(scope="module")
 def alone_seeded(subprocess_runs) -> list[list[int]]:
     """vLLM alone, SEEDED sampling, the first 4 prompts."""
-    return subprocess_runs["alone"]["outputs"][1 + len(STOPPING)]
+    return subprocess_runs["alone"]["outputs"][2]
 
 
 @pytest.fixture(scope="module")
@@ -472,10 +479,12 @@ def test_stop_conditions_mid_path_stop_where_vllm_alone_stops(llm, proposer, pro
     """Teacher-forced trees (long accepted paths, W = 4, L = 5): a stop token, a stop string or
     max_tokens falling inside an accepted path ends the output exactly where vLLM alone ends it."""
     proposer.beam_source = TeacherForcedBeams(dict(zip(map(tuple, prompts), alone)), seed=3)
-    prompts = prompts[:STOPPING_PROMPTS]
-    for name, params in STOPPING.items():
-        outputs = generate(llm, prompts, [{**params, **beam_shape(4, 5)}] * len(prompts))
-        got = [list(o.outputs[0].token_ids) for o in outputs]
+    prompts, n = prompts[:STOPPING_PROMPTS], STOPPING_PROMPTS
+    outputs = generate(llm, prompts * len(STOPPING),  # every condition in one batch
+                       [{**params, **beam_shape(4, 5)} for params in STOPPING.values()
+                        for _ in prompts])
+    for i, name in enumerate(STOPPING):
+        got = [list(o.outputs[0].token_ids) for o in outputs[i * n: (i + 1) * n]]
         assert got == alone_stopping[name], name
         if name != "max_tokens":
             assert sum(len(g) < MAX_TOKENS for g in got) >= 5, name  # it did stop early

@@ -220,10 +220,10 @@ class AcceptanceStats:
     wider width W is rated by **paired gains**: that fresh rate plus what W beams accepted beyond
     the first one, per tree, on the trees at least W wide (counts that fade alike, so the gain
     keeps its value while W is not drafted; texts change the rates far more than the gain of a
-    wider tree). All counts fade with every step. Estimates are monotone: a
-    wider beam never accepts less (rates pooled where they disagree, weighted by their counts),
-    more depth never more. When exploring, a width little seen is rated up by an upper
-    confidence bound, so it is tried again.
+    wider tree). All counts fade with every step. Estimates are monotone: a wider beam never
+    accepts less (rates pooled where they disagree, weighted by their counts), more depth never
+    more. When exploring, a width little seen is rated up by an upper confidence bound, so it is
+    tried again.
     """
 
     def __init__(self, widths: Sequence[int], decay: float = 0.99, ucb: float = 0.1) -> None:
