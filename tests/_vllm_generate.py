@@ -50,16 +50,22 @@ def _logprobs(completion) -> list | None:
 
 def run_job(job: dict) -> dict:
     """One engine (``job["engine"]``, with ``job["env"]`` set while it lives) and its runs."""
-    import gc
     import os
+    from unittest import mock
 
     from vllm import LLM
+
+    with mock.patch.dict(os.environ, job.get("env", {})):  # set back after the job
+        return _generate(LLM(**job["engine"]), job)
+
+
+def _generate(llm, job: dict) -> dict:
+    """``job``'s runs on ``llm``; the engine is let go at the end."""
+    import gc
+
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
 
-    saved = {k: os.environ.get(k) for k in job.get("env", {})}
-    os.environ.update(job.get("env", {}))
-    llm = LLM(**job["engine"])
     prompts, outputs, completions, logprobs, cached, metrics = [], [], [], [], [], []
     for run in job["runs"]:
         if "continue" in run:
@@ -87,11 +93,6 @@ def run_job(job: dict) -> dict:
         result.update(metrics_per_run=metrics, metrics=metrics[-1] if metrics else {})
     del llm
     gc.collect()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
     return result
 
 
