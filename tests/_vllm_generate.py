@@ -6,7 +6,10 @@ plugin, its patches stay), and the plain plugin-loaded run with the plugin allow
 JOB (json): {"engine": {LLM kwargs}, "runs": [run, ...], "metrics": bool, "env": {...}}
   ("env": environment variables set while this job's engine lives), or {"jobs": {name: job}}:
   each job's engine in turn in this one process (OUT is then {"jobs": {name: its OUT}}, each
-  with "seconds": the job's time, engine start included).
+  with "seconds": the job's time, engine start included; a job that raised has "error": its
+  traceback, and the jobs after it still run). VLLM_PLUGINS is the process's, not a job's: vLLM
+  loads plugins once a process, and the plugin loaded after an engine ran finds vLLM's
+  attention backend already chosen (its trees fall back to chains).
   run: {"prompts": [[token ids]], "params": {...}} ("params" may also be a list: one dict per
        prompt, as :func:`sampling_params` reads it: "structured_outputs" holds
        StructuredOutputsParams kwargs, "logit_bias" JSON's string keys), or
@@ -49,12 +52,13 @@ def _logprobs(completion) -> list | None:
 
 
 def run_job(job: dict) -> dict:
-    """One engine (``job["engine"]``, with ``job["env"]`` set while it lives) and its runs."""
+    """One engine (``job["env"]`` set while it lives) and its runs."""
     import os
     from unittest import mock
 
-    from vllm import LLM
+    from vllm import LLM, envs
 
+    envs.disable_envs_cache()  # a previous engine froze vLLM's view of the environment
     with mock.patch.dict(os.environ, job.get("env", {})):  # set back after the job
         return _generate(LLM(**job["engine"]), job)
 
@@ -96,17 +100,27 @@ def _generate(llm, job: dict) -> dict:
     return result
 
 
+def run_jobs(jobs: dict[str, dict]) -> dict[str, dict]:
+    """One engine after another: vLLM imported once (~20 s a process here). A job that raises
+    is reported under "error" and the next one runs."""
+    import traceback
+
+    results = {}
+    for name, job in jobs.items():
+        print(f"{JOB_MARK}{name}", flush=True)
+        start = time.monotonic()
+        try:
+            results[name] = run_job(job)
+        except Exception:
+            traceback.print_exc()
+            results[name] = {"error": traceback.format_exc()}
+        results[name]["seconds"] = time.monotonic() - start
+    return results
+
+
 def main(job_file: str, out_file: str) -> None:
     job = json.loads(open(job_file).read())
-    if "jobs" in job:  # one engine after another: vLLM imported once (~20 s a process here)
-        results = {}
-        for name, one in job["jobs"].items():
-            print(f"{JOB_MARK}{name}", flush=True)
-            start = time.monotonic()
-            results[name] = {**run_job(one), "seconds": time.monotonic() - start}
-        result = {"jobs": results}
-    else:
-        result = run_job(job)
+    result = {"jobs": run_jobs(job["jobs"])} if "jobs" in job else run_job(job)
     with open(out_file, "w") as f:
         json.dump(result, f)
 

@@ -1,9 +1,10 @@
 """ReDrafter inside vLLM 0.32.0 (CPU, the embedded SmolLM2 target): output, hidden state, metrics.
 
-Engine starts are the cost here, so there are few: "vLLM alone" (plugin NOT loaded) runs in one
-subprocess (its greedy references, then the sampling tests' samples); the tests that need an
-engine of their own with the plugin loaded (plain vLLM, preemption, chunked prefill, bf16) run
-theirs one after another in one more; one redrafter engine runs in this process
+Engine starts are the cost here, so there are few, and two subprocesses run all but one of them,
+each one after another (``engine_runs``): "vLLM alone" with the plugin NOT loaded (its greedy
+references, then the sampling tests' samples); the engines of the tests that need one of their
+own, plugin loaded (plain vLLM, preemption, chunked prefill, bf16, tensor parallel). One
+redrafter engine runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the tests can reach its proposer's debug hooks
 (``trace``, ``beam_source``, the drafter). The server is tested in test_server.py.
 
@@ -80,12 +81,28 @@ def eval_prompts(target_dir) -> list[list[int]]:
             for kind in EVAL_SETS for q in read_eval_set(kind, EVAL_PER_SET)]
 
 
+class JobResults(dict):
+    """The subprocess's jobs by name; looking up a job that failed there fails the test."""
+
+    def __getitem__(self, name: str) -> dict:
+        result = super().__getitem__(name)
+        if "error" in result:
+            pytest.fail(f"the subprocess's job {name!r} failed:\n{result['log'][-4000:]}")
+        return result
+
+
 @pytest.fixture(scope="module")
-def subprocess_runs(target_dir, prompts, eval_prompts, exact_prompt, exact_size,
-                    tmp_path_factory) -> dict[str, dict]:
-    """vLLM alone (plugin not loaded), two engines one after the other in one subprocess:
-    "alone" (its greedy outputs, where stop conditions fall mid-path, seeded sampling, ...: see
-    ALONE_RUNS) and "alone_samples" (the sampling tests' samples: ``alone_samples``)."""
+def engine_runs(target_dir, drafter_dir, prompts, eval_prompts, exact_prompt, exact_size,
+                tmp_path_factory) -> JobResults:
+    """Every engine of this module but its own, in two subprocesses, each running its engines
+    one after another (vLLM is imported once a process, ~20 s on 2 cores). First vLLM alone,
+    the plugin kept out (``VLLM_PLUGINS=""``): "alone" (its greedy outputs, where stop
+    conditions fall mid-path, seeded sampling, ...: see ALONE_RUNS) and "alone_samples" (the
+    sampling tests' samples: ``alone_samples``). Then the tests' own engines, plugin loaded:
+    plain vLLM, preemption, chunked prefill, bf16, tensor parallel. (One process cannot do both:
+    the plugin loaded after an engine ran finds vLLM's attention backend already chosen.) Runs
+    before this module's engine."""
+    work = tmp_path_factory.mktemp("engine_runs")
     runs = [{"prompts": prompts, "params": GREEDY}]
     runs += [{"prompts": prompts[:STOPPING_PROMPTS] * len(STOPPING),  # one batch, as ours
               "params": [p for p in STOPPING.values() for _ in range(STOPPING_PROMPTS)]}]
@@ -95,42 +112,34 @@ def subprocess_runs(target_dir, prompts, eval_prompts, exact_prompt, exact_size,
         runs += [{"prompts": [prompts[i] for i in index], "params": params}]
     runs += [{"continue": [0, LONG], "params": GREEDY}]
     runs += [{"prompts": eval_prompts, "params": GREEDY}]
-    jobs = {"alone": {"engine": engine_kwargs(target_dir), "runs": runs},
-            "alone_samples": alone_samples_job(target_dir, exact_prompt, exact_size)}
-    runs = generate_in_subprocess({"jobs": jobs}, tmp_path_factory.mktemp("alone"),
-                                  {"VLLM_PLUGINS": ""}, timeout=2700)
-    print("\nvLLM alone's runs:", {name: f"{run['seconds']:.0f} s" for name, run in runs.items()})
-    return runs
+    alone = {"alone": {"engine": engine_kwargs(target_dir), "runs": runs},
+             "alone_samples": alone_samples_job(target_dir, exact_prompt, exact_size)}
+    results = generate_in_subprocess({"jobs": alone}, work / "alone", {"VLLM_PLUGINS": ""},
+                                     timeout=2700)
+    loaded = {"plugin_loaded": {"engine": engine_kwargs(target_dir),
+                                "runs": [{"prompts": prompts[:4], "params": GREEDY}]},
+              "preemption": preemption_job(target_dir, drafter_dir, prompts),
+              "chunked_prefill": chunked_prefill_job(target_dir, drafter_dir, prompts,
+                                                     work / "steps.jsonl"),
+              "bf16": bf16_job(target_dir, drafter_dir, prompts),
+              "tensor_parallel": tensor_parallel_job(target_dir, drafter_dir, prompts)}
+    results.update(generate_in_subprocess({"jobs": loaded}, work / "loaded", timeout=2700))
+    results["chunked_prefill"]["steps"] = work / "steps.jsonl"
+    print("\nthe subprocesses' engines:",
+          {name: f"{run['seconds']:.0f} s" for name, run in results.items()})
+    return JobResults(results)
 
 
-@pytest.fixture(scope="module")
-def plugin_runs(target_dir, drafter_dir, prompts, tmp_path_factory) -> dict[str, dict]:
-    """The runs of the tests that need an engine of their own, plugin loaded (plain vLLM,
-    preemption, chunked prefill, bf16): one engine after another in one subprocess, which
-    imports vLLM once (~20 s a process on 2 cores). Started before this module's engine."""
-    work = tmp_path_factory.mktemp("plugin_runs")
-    jobs = {"plugin_loaded": {"engine": engine_kwargs(target_dir),
-                              "runs": [{"prompts": prompts[:4], "params": GREEDY}]},
-            "preemption": preemption_job(target_dir, drafter_dir, prompts),
-            "chunked_prefill": chunked_prefill_job(target_dir, drafter_dir, prompts,
-                                                   work / "steps.jsonl"),
-            "bf16": bf16_job(target_dir, drafter_dir, prompts)}
-    runs = generate_in_subprocess({"jobs": jobs}, work, timeout=1800)
-    runs["chunked_prefill"]["steps"] = work / "steps.jsonl"
-    print("\nplugin-loaded runs:", {name: f"{run['seconds']:.0f} s" for name, run in runs.items()})
-    return runs
-
-
-# the runs of vLLM alone's subprocess after GREEDY (0), STOPPING (1: every condition in one
-# batch) and SEEDED (2)
+# the runs of the "alone" job after GREEDY (0), STOPPING (1: every condition in one batch) and
+# SEEDED (2)
 ALONE_RUNS = {"mixed_greedy": 3, "mixed_sampled": 4, "long_continued": 5, "eval": 6}
 
 
 def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None,
                            timeout: float = 900) -> dict:
     """``tests/_vllm_generate.py`` on ``job`` in a fresh process (plugin allowed unless ``env``
-    sets VLLM_PLUGINS); its output json, with the process's log under "log" (for several
-    jobs: {name: its output json with its part of the log})."""
+    or a job's "env" sets VLLM_PLUGINS); its output json, with the process's log under "log"
+    (for several jobs: {name: its output json with its part of the log})."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "job.json").write_text(json.dumps(job))
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -148,32 +157,32 @@ def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = N
 
 
 @pytest.fixture(scope="module")
-def alone(subprocess_runs) -> list[list[int]]:
+def alone(engine_runs) -> list[list[int]]:
     """vLLM alone, greedy, MAX_TOKENS tokens per prompt: what redrafter must reproduce."""
-    return subprocess_runs["alone"]["outputs"][0]
+    return engine_runs["alone"]["outputs"][0]
 
 
 @pytest.fixture(scope="module")
-def alone_stopping(subprocess_runs) -> dict[str, list[list[int]]]:
+def alone_stopping(engine_runs) -> dict[str, list[list[int]]]:
     """vLLM alone under each STOPPING condition."""
-    outputs, n = subprocess_runs["alone"]["outputs"][1], STOPPING_PROMPTS
+    outputs, n = engine_runs["alone"]["outputs"][1], STOPPING_PROMPTS
     return {name: outputs[i * n: (i + 1) * n] for i, name in enumerate(STOPPING)}
 
 
 @pytest.fixture(scope="module")
-def alone_seeded(subprocess_runs) -> list[list[int]]:
+def alone_seeded(engine_runs) -> list[list[int]]:
     """vLLM alone, SEEDED sampling, the first 4 prompts."""
-    return subprocess_runs["alone"]["outputs"][2]
+    return engine_runs["alone"]["outputs"][2]
 
 
 @pytest.fixture(scope="module")
-def alone_eval(subprocess_runs) -> list[list[int]]:
+def alone_eval(engine_runs) -> list[list[int]]:
     """vLLM alone, greedy, MAX_TOKENS tokens for each of ``eval_prompts``."""
-    return subprocess_runs["alone"]["outputs"][ALONE_RUNS["eval"]]
+    return engine_runs["alone"]["outputs"][ALONE_RUNS["eval"]]
 
 
 @pytest.fixture(scope="module")
-def llm(target_dir, drafter_dir, subprocess_runs, every_core):
+def llm(target_dir, drafter_dir, engine_runs, every_core):
     """One redrafter engine, in this process, on every core (as vLLM alone's subprocess runs).
     Default beam W=2, L=4, no context candidates; requests override them."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read when the engine starts
@@ -299,11 +308,11 @@ class TeacherForcedBeams:
 # -- vLLM with the plugin loaded but redrafter not asked for -------------------------------------
 
 
-def test_plugin_loaded_plain_generation_equals_vllm_alone(subprocess_runs, plugin_runs):
-    assert subprocess_runs["alone"]["plugin_patched"] is False  # VLLM_PLUGINS="" kept it out
-    assert plugin_runs["plugin_loaded"]["plugin_patched"] is True
-    loaded = plugin_runs["plugin_loaded"]["outputs"][0]
-    assert loaded == subprocess_runs["alone"]["outputs"][0][: len(loaded)]
+def test_plugin_loaded_plain_generation_equals_vllm_alone(engine_runs):
+    assert engine_runs["alone"]["plugin_patched"] is False  # VLLM_PLUGINS="" kept it out
+    assert engine_runs["plugin_loaded"]["plugin_patched"] is True
+    loaded = engine_runs["plugin_loaded"]["outputs"][0]
+    assert loaded == engine_runs["alone"]["outputs"][0][: len(loaded)]
 
 
 # -- greedy identity and the hidden state ---------------------------------------------------------
@@ -503,38 +512,42 @@ def preemption_job(target_dir: Path, drafter_dir: Path, prompts) -> dict:
             "runs": [{"prompts": prompts[:PREEMPTED], "params": GREEDY}]}
 
 
-def test_preemption_with_a_small_kv_cache(plugin_runs, alone):
+def test_preemption_with_a_small_kv_cache(engine_runs, alone):
     """A KV cache too small for the batch: vLLM preempts and recomputes; output unchanged."""
-    out = plugin_runs["preemption"]
+    out = engine_runs["preemption"]
     assert out["outputs"][0] == alone[:PREEMPTED]
     print(f"\npreemptions: {out['metrics'].get('vllm:num_preemptions')}")
     assert out["metrics"].get("vllm:num_preemptions", 0) > 0
 
 
-def test_tensor_parallel_workers_match_vllm_alone(llm, target_dir, drafter_dir, prompts, alone,
-                                                  tmp_path):
-    """TP over vLLM's multiprocessing executor: the drafter runs in each worker, on the
-    all-reduced hidden state, and every worker verifies alike. Greedy output is vLLM alone's;
-    seeded sampling gives what one worker gives (workers that drew differently would feed each
-    other's all-reduce different tokens).
+TP_PROMPTS = 4
+TP_SAMPLED = {"temperature": 0.8, "seed": 7, "max_tokens": 32, "ignore_eos": True,
+              "extra_args": {**beam_shape(4, 4)["extra_args"], "redrafter_context_candidates": 0}}
 
-    TP = 3: the target's 9 query / 3 KV heads split no other way. Three workers on this 2-core
-    machine cannot each own a core, so threads are not pinned (``nobind``), one per worker.
-    """
-    n = 4
+
+def tensor_parallel_job(target_dir: Path, drafter_dir: Path, prompts) -> dict:
+    """TP = 3 over vLLM's multiprocessing executor: greedy with the default context candidates,
+    then seeded sampling without them (as the module's engine). TP = 3: the target's 9 query / 3
+    KV heads split no other way. Three workers on this 2-core machine cannot each own a core, so
+    threads are not pinned (``nobind``), one per worker."""
     engine = {**engine_kwargs(target_dir), "tensor_parallel_size": 3,
               "distributed_executor_backend": "mp", "disable_log_stats": False,
               "speculative_config": {"method": "redrafter", "model": str(drafter_dir),
                                      "beam_width": 4, "beam_length": 4, "beam_policy": "fixed"}}
-    # greedy with the default context candidates; sampled without, as the module's engine
-    sampled = {"temperature": 0.8, "seed": 7, "max_tokens": 32, "ignore_eos": True,
-               "extra_args": {**beam_shape(4, 4)["extra_args"], "redrafter_context_candidates": 0}}
-    job = {"engine": engine, "metrics": True, "runs": [
-        {"prompts": prompts[:n], "params": GREEDY}, {"prompts": prompts[:n], "params": sampled}]}
-    out = generate_in_subprocess(job, tmp_path, {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                                 "OMP_NUM_THREADS": "1"})
+    return {"engine": engine, "metrics": True,
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"},
+            "runs": [{"prompts": prompts[:TP_PROMPTS], "params": GREEDY},
+                     {"prompts": prompts[:TP_PROMPTS], "params": TP_SAMPLED}]}
+
+
+def test_tensor_parallel_workers_match_vllm_alone(llm, drafter_dir, prompts, alone, engine_runs):
+    """TP over vLLM's multiprocessing executor (:func:`tensor_parallel_job`): the drafter runs in
+    each worker, on the all-reduced hidden state, and every worker verifies alike. Greedy output
+    is vLLM alone's; seeded sampling gives what one worker gives (workers that drew differently
+    would feed each other's all-reduce different tokens)."""
+    n, out = TP_PROMPTS, engine_runs["tensor_parallel"]
     assert out["outputs"][0] == alone[:n]
-    one_worker = generate(llm, prompts[:n], [sampled] * n)
+    one_worker = generate(llm, prompts[:n], [TP_SAMPLED] * n)
     assert out["outputs"][1] == [list(o.outputs[0].token_ids) for o in one_worker]
     drafts = out["metrics"].get("vllm:spec_decode_num_drafts", 0)
     draft_tokens = out["metrics"].get("vllm:spec_decode_num_draft_tokens", 0)
@@ -842,7 +855,7 @@ def drafted_kinds(trace, outputs, kinds: list[str]) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_mixed_batch_of_trees_and_bypassing_requests(llm, proposer, prompts, alone,
-                                                     subprocess_runs, sampled, monkeypatch):
+                                                     engine_runs, sampled, monkeypatch):
     """Tree requests (W = 4, L = 5; teacher-forced when greedy) beside one request of each kind
     that bypasses drafting: penalties, logprobs, a JSON schema, min_tokens (until 16 tokens are
     out), n = 2 (sampled only; vLLM refuses n > 1 greedy). Greedy, every output is vLLM alone's; seeded, every
@@ -863,7 +876,7 @@ def test_mixed_batch_of_trees_and_bypassing_requests(llm, proposer, prompts, alo
     outputs = generate(llm, [prompts[i] for i in index], params)
     counts = {k: v - before[k] for k, v in verifier_counts(llm).items()}
     run = ALONE_RUNS["mixed_sampled" if sampled else "mixed_greedy"]
-    expected = subprocess_runs["alone"]["completions"][run]
+    expected = engine_runs["alone"]["completions"][run]
     got = [[list(c.token_ids) for c in o.outputs] for o in outputs]
     drafted = drafted_kinds(proposer.trace, outputs, kinds)
     print(f"\n{'seeded' if sampled else 'greedy'}: steps with drafts per kind "
@@ -886,7 +899,7 @@ def test_mixed_batch_of_trees_and_bypassing_requests(llm, proposer, prompts, alo
     assert calls
     k = kinds.index("logprobs")
     gap = assert_same_logprobs(logprob_lists(outputs[k].outputs[0]),
-                               subprocess_runs["alone"]["logprobs"][run][k][0])
+                               engine_runs["alone"]["logprobs"][run][k][0])
     print(f"logprobs: {len(got[k][0])} positions, largest gap to vLLM alone {gap:.1e}")
 
 
@@ -906,17 +919,16 @@ def chunked_prefill_job(target_dir: Path, drafter_dir: Path, prompts, steps: Pat
                      {"continue": [0, list(range(len(LONG)))], "params": GREEDY}]}
 
 
-def test_chunked_prefill_and_prefix_cache_on_generated_text(prompts, alone, subprocess_runs,
-                                                            plugin_runs):
+def test_chunked_prefill_and_prefix_cache_on_generated_text(prompts, alone, engine_runs):
     """An engine whose step budget is 64 tokens: the long prompts are prefilled in chunks, beside
     other requests' tree steps. Then each prompt + its answer is sent again: the prefix cache
     serves the first block, which holds generated text the tree steps wrote (the accepted nodes'
     KV moved in place). Both rounds give vLLM alone's output."""
     assert all(CHUNK < len(prompts[i]) < 128 for i in LONG)
-    out = plugin_runs["chunked_prefill"]
+    out = engine_runs["chunked_prefill"]
     steps = out["steps"]
     assert out["outputs"][0] == [alone[i] for i in LONG]
-    assert out["outputs"][1] == subprocess_runs["alone"]["outputs"][ALONE_RUNS["long_continued"]]
+    assert out["outputs"][1] == engine_runs["alone"]["outputs"][ALONE_RUNS["long_continued"]]
     # every second-round request hit the cache past its original prompt: on generated text
     cached = out["num_cached_tokens"][1]
     assert all(c > len(prompts[i]) for c, i in zip(cached, LONG)), cached
@@ -949,7 +961,7 @@ def bf16_job(target_dir: Path, drafter_dir: Path, prompts) -> dict:
         {"prompts": prompts[:2], "params": {**greedy, "logprobs": 0}}]}
 
 
-def test_bf16_engine_drafts_trees_where_the_cache_layout_is_known(plugin_runs):
+def test_bf16_engine_drafts_trees_where_the_cache_layout_is_known(engine_runs):
     """In bf16 vLLM's CPU attention packs the cache for AMX where the CPU has AMX tiles (its
     "amx" layout, not known to the tree kernel): there the engine drafts chains and warns
     (docs/design.md, What is not supported); elsewhere ("vec" layout) it drafts trees. Tiny run:
@@ -957,7 +969,7 @@ def test_bf16_engine_drafts_trees_where_the_cache_layout_is_known(plugin_runs):
     from vllm_redrafter.cpu_features import cpu_isa
 
     amx = torch.cpu._is_amx_tile_supported()  # what vLLM's _get_attn_isa asks
-    out = plugin_runs["bf16"]
+    out = engine_runs["bf16"]
     metrics = out["metrics_per_run"][0]
     drafts, draft_tokens = (metrics[f"vllm:spec_decode_num_{name}"] for name in (
         "drafts", "draft_tokens"))
@@ -1222,11 +1234,11 @@ def alone_samples_job(target_dir: Path, exact_prompt: list[int], exact_size: Exa
 
 
 @pytest.fixture(scope="module")
-def alone_samples(subprocess_runs) -> dict[str, list[list[int]]]:
+def alone_samples(engine_runs) -> dict[str, list[list[int]]]:
     """vLLM alone (plugin not loaded): its greedy continuation ("path") and, per ALONE_ARMS arm,
     seeded samples of tokens 5 and 6 given tokens 1-4 = path[:4] (the prompt + path[:4] sampled
     for 2 tokens), returned as 6-token outputs path[:4] + the 2."""
-    out = subprocess_runs["alone_samples"]
+    out = engine_runs["alone_samples"]
     path = out["outputs"][0][0]
     return {"path": path, **{arm: [path[:PREFIX] + o for o in outputs]
                              for arm, outputs in zip(ALONE_ARMS, out["outputs"][1:])}}
