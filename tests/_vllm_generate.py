@@ -7,7 +7,8 @@ JOB (json): {"engine": {LLM kwargs}, "runs": [run, ...], "metrics": bool, "env":
   ("env": environment variables set while this job's engine lives), or {"jobs": {name: job}}:
   each job's engine in turn in this one process (OUT is then {"jobs": {name: its OUT}}, each
   with "seconds": the job's time, engine start included; a job that raised has "error": its
-  traceback, and the jobs after it still run). VLLM_PLUGINS is the process's, not a job's: vLLM
+  traceback, and the jobs after it still run). With "wait_for": a path, the process imports
+  vLLM, then waits for that file to exist before it starts an engine. VLLM_PLUGINS is the process's, not a job's: vLLM
   loads plugins once a process, and the plugin loaded after an engine ran finds vLLM's
   attention backend already chosen (its trees fall back to chains).
   run: {"prompts": [[token ids]], "params": {...}} ("params" may also be a list: one dict per
@@ -120,6 +121,13 @@ def run_jobs(jobs: dict[str, dict]) -> dict[str, dict]:
 
 def main(job_file: str, out_file: str) -> None:
     job = json.loads(open(job_file).read())
+    if "wait_for" in job:  # import vLLM now (~20 s, one core), start the engines once told
+        import os
+
+        from vllm import LLM  # noqa: F401
+
+        while not os.path.exists(job["wait_for"]):
+            time.sleep(0.2)
     result = {"jobs": run_jobs(job["jobs"])} if "jobs" in job else run_job(job)
     with open(out_file, "w") as f:
         json.dump(result, f)

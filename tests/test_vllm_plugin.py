@@ -114,8 +114,6 @@ def engine_runs(target_dir, drafter_dir, prompts, eval_prompts, exact_prompt, ex
     runs += [{"prompts": eval_prompts, "params": GREEDY}]
     alone = {"alone": {"engine": engine_kwargs(target_dir), "runs": runs},
              "alone_samples": alone_samples_job(target_dir, exact_prompt, exact_size)}
-    results = generate_in_subprocess({"jobs": alone}, work / "alone", {"VLLM_PLUGINS": ""},
-                                     timeout=2700)
     loaded = {"plugin_loaded": {"engine": engine_kwargs(target_dir),
                                 "runs": [{"prompts": prompts[:4], "params": GREEDY}]},
               "preemption": preemption_job(target_dir, drafter_dir, prompts),
@@ -123,7 +121,16 @@ def engine_runs(target_dir, drafter_dir, prompts, eval_prompts, exact_prompt, ex
                                                      work / "steps.jsonl"),
               "bf16": bf16_job(target_dir, drafter_dir, prompts),
               "tensor_parallel": tensor_parallel_job(target_dir, drafter_dir, prompts)}
-    results.update(generate_in_subprocess({"jobs": loaded}, work / "loaded", timeout=2700))
+    # the second process imports vLLM beside the first one's import, then waits for its turn:
+    # the engines never share the cores (their timing would not matter, their speed would)
+    go = work / "go"
+    second = start_in_subprocess({"jobs": loaded, "wait_for": str(go)}, work / "loaded")
+    try:
+        results = generate_in_subprocess({"jobs": alone}, work / "alone", {"VLLM_PLUGINS": ""},
+                                         timeout=2700)
+    finally:
+        go.touch()
+    results.update(finish_subprocess(second, work / "loaded", timeout=2700))
     results["chunked_prefill"]["steps"] = work / "steps.jsonl"
     print("\nthe subprocesses' engines:",
           {name: f"{run['seconds']:.0f} s" for name, run in results.items()})
@@ -135,25 +142,43 @@ def engine_runs(target_dir, drafter_dir, prompts, eval_prompts, exact_prompt, ex
 ALONE_RUNS = {"mixed_greedy": 3, "mixed_sampled": 4, "long_continued": 5, "eval": 6}
 
 
-def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None,
-                           timeout: float = 900) -> dict:
+def start_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None
+                        ) -> subprocess.Popen:
     """``tests/_vllm_generate.py`` on ``job`` in a fresh process (plugin allowed unless ``env``
-    or a job's "env" sets VLLM_PLUGINS); its output json, with the process's log under "log"
-    (for several jobs: {name: its output json with its part of the log})."""
+    sets VLLM_PLUGINS), its log to ``work / "log.txt"``: :func:`finish_subprocess` reads it."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "job.json").write_text(json.dumps(job))
     full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     full_env.pop("VLLM_PLUGINS", None)
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "_vllm_generate.py"),
-                          str(work / "job.json"), str(work / "out.json")],
-                         env={**full_env, **(env or {})}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert run.returncode == 0, f"{work.name} run failed:\n{run.stdout[-4000:]}"
+    with (work / "log.txt").open("w") as log:
+        return subprocess.Popen([sys.executable, str(REPO / "tests" / "_vllm_generate.py"),
+                                 str(work / "job.json"), str(work / "out.json")],
+                                env={**full_env, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT)
+
+
+def finish_subprocess(run: subprocess.Popen, work: Path, timeout: float = 900) -> dict:
+    """The started run's output json, with its log under "log" (for several jobs: {name: its
+    output json with its part of the log}); killed if it outlives ``timeout`` seconds."""
+    try:
+        returncode = run.wait(timeout=timeout)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    log = (work / "log.txt").read_text(errors="replace")
+    assert returncode == 0, f"{work.name} run failed:\n{log[-4000:]}"
     out = json.loads((work / "out.json").read_text())
     if "jobs" not in out:
-        return {**out, "log": run.stdout}
-    logs = dict(part.split("\n", 1) for part in run.stdout.split(JOB_MARK)[1:])
+        return {**out, "log": log}
+    logs = dict(part.split("\n", 1) for part in log.split(JOB_MARK)[1:])
     return {name: {**result, "log": logs[name]} for name, result in out["jobs"].items()}
+
+
+def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None,
+                           timeout: float = 900) -> dict:
+    """:func:`start_in_subprocess`, then :func:`finish_subprocess`."""
+    return finish_subprocess(start_in_subprocess(job, work, env), work, timeout)
 
 
 @pytest.fixture(scope="module")
