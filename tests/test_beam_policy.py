@@ -94,13 +94,32 @@ def test_little_seen_shapes_are_hoped_high_and_what_fades_is_soon_outweighed():
     stats = AcceptanceStats([1, 2], decay=0.98, ucb=0.1)
     stats.observe(trees(1, 3, [1, 1, 0, 2]))
     expected, hoped = stats.tokens_per_step(1, 3), stats.tokens_per_step(1, 3, hopeful=True)
-    assert expected == 1 + 0.75 + 0.25 and hoped > expected + 0.1
+    # depth 2: 1 of the 3 trees that took depth 1, with one tree's worth of depth 1's 0.75
+    assert expected == 1 + 0.75 + 0.75 * (1 + 0.75) / (3 + 1) and hoped > expected + 0.1
     for _ in range(200):
         stats.observe(trees(1, 3, [1, 1, 0, 2]))
     assert stats.tokens_per_step(1, 3, hopeful=True) - expected < 0.1  # seen a lot: no doubt
     for _ in range(80):  # the text changed: nothing accepted any more
         stats.observe(trees(1, 3, [0, 0, 0, 0]))
     assert stats.tokens_per_step(1, 3) < 1 + 0.2 * (0.75 + 0.25)  # 0.98^80 < 0.2
+
+
+def test_a_depth_leans_on_the_one_above_until_its_own_trees_decide():
+    """Chains of one draft (L=2) accept 0.55; then one L=3 chain accepts nothing. Counted as a
+    plain ratio (as before: the control) depth 2 would be 0 of 1, and L=3 rated below L=2; it
+    says nothing of depth 2, which is rated as depth 1 until trees that reach it decide."""
+    stats = AcceptanceStats([1], decay=1.0, ucb=0.0)
+    rng = random.Random(0)
+    stats.observe(trees(1, 2, [int(rng.random() < 0.55) for _ in range(200)]))
+    stats.observe(trees(1, 3, [0]))
+    assert stats.hits[(1, 2)] / stats.trials[(1, 2)] == 0  # the plain ratio: depth 2 at 0
+    p = stats.rate(1, 1)
+    assert 0.45 < p < 0.65 and stats.rate(1, 2) == pytest.approx(p * p)
+    assert stats.tokens_per_step(1, 3) == pytest.approx(1 + p + p * p)
+    # the trees that reach depth 2 decide it: after depth 1, depth 2 one time in 5
+    for i in range(500):
+        stats.observe(trees(1, 3, [0 if i % 2 else 1 + (i % 10 == 0)]))
+    assert stats.rate(1, 2) / stats.rate(1, 1) == pytest.approx(0.2, abs=0.02)
 
 
 def test_paired_gains_rate_a_wider_width_on_the_text_now_drafted():

@@ -86,6 +86,11 @@ class PolicyConfig:
     """Weight of the upper confidence bound on acceptance, by which exploring steps pick: a
     shape little seen is hoped above its counts, so it is tried. In simulation 0.05 left batch 1
     on the H100 table stuck at W=4 in one run of 4 (unlucky first trees); 0.2 did as well."""
+    depth_prior: float = 1.0
+    """Trees' worth of weight a depth's conditional acceptance gives the depth above
+    (:class:`AcceptanceStats`). Without it (the EPYC, 2026-11-29, batch 1, step log) one W=1 L=3
+    tree that accepted nothing rated depth 2 at 0, and the policy drafted L=2 for ~100 steps
+    before an exploring step tried L=3 again. 1: the first trees that reach a depth decide it."""
     guard_every: int = 96
     """The safety net (:meth:`BeamPolicy._guard`): every this many steps of a bucket, the
     tokens/s its drafting steps delivered (drafter beams or context candidates, all costs in)
@@ -215,6 +220,12 @@ class AcceptanceStats:
     """Decayed counts, per beam width W and depth d, of trees and of those whose first W beams
     accepted ``>= d``; and the packed tree sizes per shape.
 
+    A width's rate at depth d is a **chain of conditional rates**: P(accepted >= 1) times, per
+    deeper depth j, P(accepted >= j | accepted >= j - 1), each counted on the trees that could
+    show it. A depth with few such trees leans on the depth above (``depth_prior`` trees' worth
+    of it): one unlucky tree of a longer shape (nothing accepted at depth 1) says nothing of its
+    depth 2 and no longer rates depth 2 at 0; a depth never drafted is rated as the one above.
+
     A tree of width D counts at every width w <= D it knows (``VerifiedTree.by_beams``): what its
     first w beams accepted on the same text. So the narrowest width's rate is always fresh, and a
     wider width W is rated by **paired gains**: that fresh rate plus what W beams accepted beyond
@@ -226,21 +237,24 @@ class AcceptanceStats:
     tried again.
     """
 
-    def __init__(self, widths: Sequence[int], decay: float = 0.99, ucb: float = 0.1) -> None:
+    def __init__(self, widths: Sequence[int], decay: float = 0.99, ucb: float = 0.1,
+                 depth_prior: float = 1.0) -> None:
         self.widths, self.decay, self.ucb = list(widths), decay, ucb
+        self.depth_prior = depth_prior
         self.anchor = self.widths[0]  # the narrowest width: every tree that knows it counts there
         self.hits: dict[tuple[int, int], float] = {}  # (W, d) -> trees whose W beams took >= d
         self.trials: dict[tuple[int, int], float] = {}  # (W, d) -> trees of width >= W, length > d
+        self.reach: dict[tuple[int, int], float] = {}  # (W, d) -> those trials that took >= d - 1
         self.paired: dict[tuple[int, int], list[float]] = {}  # (W, d) -> [hits of W, hits of
         # the anchor, trees] on the trees that know both
         self.packed_sum: dict[tuple[int, int], float] = {}  # (W, L) -> their nodes
         self.packed_n: dict[tuple[int, int], float] = {}  # (W, L) -> trees
         self.total = 0.0
-        self._rates: dict[tuple[int, int], float] = {}  # cache of rate(), until the next trees
+        self._rates: dict[int, dict[int, float]] = {}  # depth -> width -> rate(), until new trees
 
     def observe(self, trees: Sequence[VerifiedTree]) -> None:
         """One step's trees of this kind (maybe none): the counts fade once, then count them."""
-        for counts in (self.hits, self.trials, self.packed_sum, self.packed_n):
+        for counts in (self.hits, self.trials, self.reach, self.packed_sum, self.packed_n):
             for key in counts:
                 counts[key] *= self.decay
         for pair in self.paired.values():
@@ -252,6 +266,7 @@ class AcceptanceStats:
                 for d in range(1, t.length):
                     self.trials[(w, d)] = self.trials.get((w, d), 0.0) + 1
                     self.hits[(w, d)] = self.hits.get((w, d), 0.0) + (accepted >= d)
+                    self.reach[(w, d)] = self.reach.get((w, d), 0.0) + (accepted >= d - 1)
                     if w != self.anchor and self.anchor in known:
                         pair = self.paired.setdefault((w, d), [0.0, 0.0, 0.0])
                         pair[0] += accepted >= d
@@ -268,33 +283,41 @@ class AcceptanceStats:
         told = min(t.width - 1, len(t.by_beams))
         return {**{w: t.by_beams[w - 1] for w in self.widths if w <= told}, t.width: t.accepted}
 
+    def _chained(self, width: int, depth: int) -> float:
+        """P(accepted >= depth | width) from this width's own counts, as the chain of
+        conditional rates (class doc); the width must have been seen at depth 1."""
+        rate = conditional = self.hits.get((width, 1), 0.0) / self.trials[(width, 1)]
+        for d in range(2, depth + 1):
+            conditional = ((self.hits.get((width, d), 0.0) + self.depth_prior * conditional)
+                           / (self.reach.get((width, d), 0.0) + self.depth_prior))
+            rate *= conditional
+        return rate
+
     def _paired_rate(self, width: int, depth: int) -> float:
         """P(accepted >= depth | width) before pooling: the anchor's fresh rate plus the paired
         gain (what W beams accepted beyond the first one, per tree, on the same trees); a width
         without paired trees, or the anchor itself: its own counts."""
-        own = self.hits.get((width, depth), 0.0) / self.trials[(width, depth)]
+        own = self._chained(width, depth)
         pair = self.paired.get((width, depth))
-        base = self.trials.get((self.anchor, depth), 0.0)
-        if width == self.anchor or pair is None or not pair[2] or not base:
+        if (width == self.anchor or pair is None or not pair[2]
+                or not self.trials.get((self.anchor, 1))):
             return own
-        fresh = self.hits.get((self.anchor, depth), 0.0) / base
-        return min(1.0, fresh + (pair[0] - pair[1]) / pair[2])
+        return min(1.0, self._chained(self.anchor, depth) + (pair[0] - pair[1]) / pair[2])
 
     def rate(self, width: int, depth: int) -> float:
-        """P(accepted >= depth | width), monotone in width; a width not seen at this depth: the
-        nearest narrower one seen (it accepts at least that), else the nearest wider, else 0.5."""
-        if not self._rates:
-            for d in {d for _, d in self.trials}:
-                seen = [w for w in self.widths if self.trials.get((w, d), 0.0) > 0]
-                means = [self._paired_rate(w, d) for w in seen]
-                pooled = monotone(means, [self.trials[(w, d)] for w in seen])
-                self._rates.update({(w, d): r for w, r in zip(seen, pooled)})
-        if (width, depth) in self._rates:
-            return self._rates[(width, depth)]
-        narrower = [w for w in self.widths if w < width and (w, depth) in self._rates]
-        wider = [w for w in self.widths if w > width and (w, depth) in self._rates]
-        return (self._rates[(max(narrower), depth)] if narrower else
-                self._rates[(min(wider), depth)] if wider else 0.5)
+        """P(accepted >= depth | width), monotone in width; a width never seen: the nearest
+        narrower one seen (it accepts at least that), else the nearest wider, else 0.5."""
+        if depth not in self._rates:
+            seen = [w for w in self.widths if self.trials.get((w, 1), 0.0) > 0]
+            means = [self._paired_rate(w, depth) for w in seen]
+            weights = [max(self.trials.get((w, depth), 0.0), 1e-9) for w in seen]
+            self._rates[depth] = dict(zip(seen, monotone(means, weights)))
+        rates = self._rates[depth]
+        if width in rates:
+            return rates[width]
+        narrower = [w for w in rates if w < width]
+        wider = [w for w in rates if w > width]
+        return rates[max(narrower)] if narrower else rates[min(wider)] if wider else 0.5
 
     def tokens_per_step(self, width: int, length: int, hopeful: bool = False) -> float:
         """1 + expected accepted drafts at (width, length); ``hopeful``: each depth's rate
@@ -469,7 +492,8 @@ class BeamPolicy:
         self.max_width, self.max_length = max_width, max_length
         self.config, self.prior = config, prior
         self.widths = candidate_widths(max_width)
-        self.acceptance = {k: AcceptanceStats(self.widths, config.acceptance_decay, config.ucb)
+        self.acceptance = {k: AcceptanceStats(self.widths, config.acceptance_decay, config.ucb,
+                                              config.depth_prior)
                            for k in KINDS}
         self.buckets: dict[int, Bucket] = {}
         self._open: _Open | None = None
