@@ -8,9 +8,9 @@ JOB (json): {"engine": {LLM kwargs}, "runs": [run, ...], "metrics": bool, "env":
   each job's engine in turn in this one process (OUT is then {"jobs": {name: its OUT}}, each
   with "seconds": the job's time, engine start included; a job that raised has "error": its
   traceback, and the jobs after it still run). With "wait_for": a path, the process imports
-  vLLM, then waits for that file to exist before it starts an engine. VLLM_PLUGINS is the process's, not a job's: vLLM
-  loads plugins once a process, and the plugin loaded after an engine ran finds vLLM's
-  attention backend already chosen (its trees fall back to chains).
+  vLLM, then waits for that file to exist before it starts an engine. VLLM_PLUGINS is the
+  process's, not a job's: vLLM loads plugins once a process, and the plugin loaded after an
+  engine ran finds vLLM's attention backend already chosen (its trees fall back to chains).
   run: {"prompts": [[token ids]], "params": {...}} ("params" may also be a list: one dict per
        prompt, as :func:`sampling_params` reads it: "structured_outputs" holds
        StructuredOutputsParams kwargs, "logit_bias" JSON's string keys), or
