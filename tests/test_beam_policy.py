@@ -26,6 +26,8 @@ from vllm_redrafter.beam_policy import (
     candidate_widths,
     load_step_cost,
 )
+from vllm_redrafter.demo import DEFAULT_DRAFTER
+from vllm_redrafter.drafter import held_out_chain_acceptance
 from vllm_redrafter.policy_sim import Acceptance, Machine, median_time_per_token, rate, run
 
 DATA = Path(__file__).parent / "data"
@@ -120,6 +122,38 @@ def test_a_depth_leans_on_the_one_above_until_its_own_trees_decide():
     for i in range(500):
         stats.observe(trees(1, 3, [0 if i % 2 else 1 + (i % 10 == 0)]))
     assert stats.rate(1, 2) / stats.rate(1, 1) == pytest.approx(0.2, abs=0.02)
+
+
+def test_the_drafters_held_out_acceptance_is_a_prior_that_fades():
+    """Seeded with the drafter's own chain figures (4 trees' worth), two chains that accept
+    nothing move depth 1 from 0.54 to 0.36, not to 0 (the unseeded control); trees decide."""
+    chain = [0.54, 0.31, 0.19]
+    seeded, control = AcceptanceStats([1, 2], decay=1.0), AcceptanceStats([1, 2], decay=1.0)
+    seeded.seed(chain, 4.0)
+    assert seeded.rate(1, 1) == pytest.approx(0.54) and seeded.rate(2, 1) == pytest.approx(0.54)
+    assert seeded.tokens_per_step(1, 4) == pytest.approx(1 + 0.54 + 0.31 + 0.19, abs=0.02)  # depth_prior
+    for stats in (seeded, control):
+        stats.observe(trees(1, 2, [0, 0]))
+    assert seeded.rate(1, 1) == pytest.approx(4 * 0.54 / 6) and control.rate(1, 1) == 0.0
+    fading = AcceptanceStats([1], decay=0.98)
+    fading.seed(chain, 4.0)
+    for _ in range(300):  # the prior keeps 4 x 0.98^300 ~ 0.01 trees' worth
+        fading.observe(trees(1, 2, [0]))
+    assert fading.rate(1, 1) < 0.01
+
+
+def test_the_drafters_held_out_figures_are_read_where_they_are_well_formed(tmp_path):
+    assert held_out_chain_acceptance(DEFAULT_DRAFTER)[:2] == pytest.approx([0.5415, 0.3082], abs=1e-4)
+    assert held_out_chain_acceptance(tmp_path) is None  # no eval.json (an Apple checkpoint)
+    for bad in ('{"chain_top1": [1.5]}', '{"chain_top1": "x"}', '{}', 'not json'):
+        (tmp_path / "eval.json").write_text(bad)
+        assert held_out_chain_acceptance(tmp_path) is None, bad
+
+
+def test_the_policy_seeds_only_greedy_requests_with_the_drafters_figures():
+    policy = beam_policy.BeamPolicy(4, 4, acceptance_prior=[0.6, 0.4])
+    assert policy.acceptance["greedy"].rate(1, 1) == pytest.approx(0.6)
+    assert policy.acceptance["sampled"].trials == {}  # greedy figures; sampling accepts less
 
 
 def test_paired_gains_rate_a_wider_width_on_the_text_now_drafted():
@@ -441,10 +475,13 @@ def test_candidates_are_scored_in_the_shadow_beyond_the_drafters_acceptance():
     stats.observe(1, output, 0)
     stats.propose(1, len(output), ((4, 5, 6), (7, 8, 1)))
     output += [4, 5]  # the step emitted 2 tokens: candidate 0 matched both, may match more
+    assert stats.expected_extra(1) is None  # nothing scored, no pool to lean on
     stats.observe(2, output, 1)  # the drafter's beams accepted 1 of them
-    assert stats.expected_extra(1) is None  # undecided
+    assert stats.weight == 0.0  # undecided, counted at what it matched so far: 2 - 1
+    assert stats.expected_extra(1) == 1.0 and len(stats.pending) == 1
     output += [0]  # the third token is not candidate 0's
     stats.observe(3, output, 0)
+    assert stats.weight == 1.0 and stats.pending == []
     assert stats.expected_extra(1) == 1.0 and stats.expected_extra(2) == 1.0  # 2 matched - 1
     stats.propose(3, len(output), ((3,), (0, 0, 0)))
     output += [0, 0, 0]
@@ -455,6 +492,32 @@ def test_candidates_are_scored_in_the_shadow_beyond_the_drafters_acceptance():
     stats.observe(7, output + [1], 0)  # its drafter's acceptance is unknown, it is dropped
     assert stats.pending == [] and stats.weight == 2.0
     assert beam_policy.trie_nodes([(1, 2), (1, 3), (1, 2, 4)]) == 4
+
+
+def test_a_candidate_that_copies_right_counts_before_it_is_decided():
+    """A candidate matching every token emitted since counts at that lower bound: a copying
+    request is not rated by its misses alone (they are decided first)."""
+    stats = beam_policy.CandidateStats(1, decay=1.0)
+    stats.propose(1, 1, ((1, 2, 3, 4, 5),))  # copies right; plain steps emit one token each
+    stats.observe(2, [9, 1], 0)
+    stats.propose(2, 2, ((8,),))  # a miss
+    stats.observe(3, [9, 1, 2], 0)
+    assert stats.weight == 1.0 and stats.extra[0] == 0.0  # decided: the miss only (the control)
+    assert stats.expected_extra(1) == 1.0  # (0 + the copy's 2 so far) / 2
+
+
+def test_a_new_request_is_rated_like_the_requests_before_it():
+    pool = beam_policy.CandidatePool(decay=1.0)
+    first = beam_policy.CandidateStats(1, 1.0, pool, prior=1.0)
+    first.propose(1, 1, ((4, 5),))
+    first.observe(2, [9, 4, 5, 6], 0)  # matched both: 2 beyond the drafter's 0
+    assert pool.mean(0) == 2.0
+    second = beam_policy.CandidateStats(1, 1.0, pool, prior=1.0)
+    assert second.expected_extra(1) == 2.0  # nothing of its own yet: the pool's
+    assert beam_policy.CandidateStats(1, 1.0).expected_extra(1) is None  # control: no pool
+    second.propose(1, 1, ((7,),))
+    second.observe(2, [9, 8], 0)  # a miss; the pool's mean falls to (2 + 0) / 2
+    assert second.expected_extra(1) == 0.5  # (0 + 1 x 1.0) / (1 + 1)
 
 
 COPYING, NOT_COPYING = (0.6, 0.45, 0.35), (0.0, 0.0, 0.0)

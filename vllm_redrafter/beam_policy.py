@@ -91,6 +91,13 @@ class PolicyConfig:
     (:class:`AcceptanceStats`). Without it (the EPYC, 2026-11-29, batch 1, step log) one W=1 L=3
     tree that accepted nothing rated depth 2 at 0, and the policy drafted L=2 for ~100 steps
     before an exploring step tried L=3 again. 1: the first trees that reach a depth decide it."""
+    acceptance_prior_weight: float = 4.0
+    """Trees' worth of weight the drafter's own held-out chain acceptance (its ``eval.json``)
+    has in the greedy counts before any tree is verified (:meth:`AcceptanceStats.seed`), fading
+    with them. Without it (the EPYC, 2026-11-30, batch 1, cold, step log) the first four trees
+    (two of them accepting nothing) rated depth 1 at 0.25 against the drafter's 0.54, no shape
+    paid, and the engine stepped plain for 22 steps until an exploring step: a third of that
+    run's steps were plain. 4: two such trees move depth 1 from 0.54 to 0.36."""
     guard_every: int = 96
     """The safety net (:meth:`BeamPolicy._guard`): every this many steps of a bucket, the
     tokens/s its drafting steps delivered (drafter beams or context candidates, all costs in)
@@ -115,6 +122,12 @@ class PolicyConfig:
     candidate_decay: float = 0.9
     """Per scored proposal of a request, the weight its older context candidates keep: requests
     are short (64 tokens are ~40 steps) and change topic, so ~10 proposals make the estimate."""
+    candidate_prior: float = 1.0
+    """Scores' worth of weight a request's candidate mean gives the mean of all requests' scores
+    (:class:`CandidatePool`): a new request is rated like the ones before it until its own
+    candidates are scored. Without it (the EPYC, 2026-11-30, batch 1, step log) a request took
+    no candidate until one was decided, and one that copies right is decided last: 27 of 99
+    steps with a candidate found took none for want of a score."""
     candidate_floor: float = 0.05
     """Context candidates are taken only where they promise at least this many extra accepted
     tokens per step: before the cost per verified token is measured, a guard against paying
@@ -252,6 +265,17 @@ class AcceptanceStats:
         self.total = 0.0
         self._rates: dict[int, dict[int, float]] = {}  # depth -> width -> rate(), until new trees
 
+    def seed(self, chain: Sequence[float], weight: float) -> None:
+        """A prior: ``weight`` chains (the anchor width) whose P(accepted >= d) is ``chain[d - 1]``
+        (the drafter's own held-out figure); it fades with the counts, as trees are seen."""
+        if self.anchor != 1 or weight <= 0:
+            return
+        for d, (above, p) in enumerate(zip([1.0, *chain], chain), start=1):
+            self.trials[(1, d)] = self.trials.get((1, d), 0.0) + weight
+            self.hits[(1, d)] = self.hits.get((1, d), 0.0) + weight * p
+            self.reach[(1, d)] = self.reach.get((1, d), 0.0) + weight * above
+        self._rates = {}
+
     def observe(self, trees: Sequence[VerifiedTree]) -> None:
         """One step's trees of this kind (maybe none): the counts fade once, then count them."""
         for counts in (self.hits, self.trials, self.reach, self.packed_sum, self.packed_n):
@@ -365,48 +389,101 @@ class CandidateStats:
     the same distribution), so each step's candidates are scored against the tokens the request
     then emits, verified or not: the first k candidates would have accepted ``m_k`` drafts, m_k
     their longest common prefix with the output, of which ``max(0, m_k - a)`` beyond the ``a``
-    the drafter's beams accepted that step. A score waits until the output decides it (a prefix
-    as long as the output so far may go on matching). Decayed means per k.
+    the drafter's beams accepted that step. Decayed means per k.
+
+    A proposal whose candidate still matches all the output emitted since is undecided (it may
+    go on matching) and counts at what it matched so far, a lower bound: a candidate that copies
+    right is decided last, and leaving it out would rate a request by its misses. A request's
+    mean leans on ``pool`` (all requests' scores, :class:`CandidatePool`) with ``prior`` scores'
+    worth, so its first steps are rated like the requests before it.
     """
 
-    def __init__(self, count: int, decay: float) -> None:
-        self.decay = decay
+    def __init__(self, count: int, decay: float, pool: CandidatePool | None = None,
+                 prior: float = 0.0) -> None:
+        self.decay, self.pool, self.prior = decay, pool, prior
         self.extra = [0.0] * count  # k - 1 -> decayed sum of extra accepted drafts with k
         self.weight = 0.0
         self.pending: list[Proposal] = []
+        self.provisional = [0.0] * count  # k - 1 -> the undecided proposals' extra so far
 
     def observe(self, call: int, output: Sequence[int], drafter_accepted: int) -> None:
         """The step proposed at call ``call - 1`` ended with ``drafter_accepted``; score what
-        the output decides."""
+        the output decides, and the rest so far."""
         for p in self.pending:
             if p.drafter_accepted is None and p.call == call - 1:
                 p.drafter_accepted = drafter_accepted
-        self.pending = [p for p in self.pending if p.drafter_accepted is not None  # else missed
-                        and not self._score(output[p.position:], p.candidates, p.drafter_accepted)]
+        self.pending = [p for p in self.pending if p.drafter_accepted is not None]  # else missed
+        self.provisional = [0.0] * len(self.extra)
+        undecided = []
+        for p in self.pending:
+            matched, decided = _matched(output[p.position:], p.candidates)
+            extra = _extra(matched, p.drafter_accepted, len(self.extra))
+            if decided:
+                self.weight = self.decay * self.weight + 1
+                self.extra = [self.decay * x + e for x, e in zip(self.extra, extra)]
+                if self.pool is not None:
+                    self.pool.add(extra)
+            else:
+                undecided.append(p)
+                self.provisional = [x + e for x, e in zip(self.provisional, extra)]
+        self.pending = undecided
 
     def propose(self, call: int, position: int, candidates: Sequence[Sequence[int]]) -> None:
         if candidates and self.extra:
             self.pending.append(Proposal(call, position, candidates))
 
-    def _score(self, known: Sequence[int], candidates: Sequence[Sequence[int]], a: int) -> bool:
-        matched = []
-        for c in candidates:
-            m = next((i for i, (x, y) in enumerate(zip(c, known)) if x != y), min(len(c), len(known)))
-            if m == len(known) < len(c):
-                return False  # undecided: the output may go on matching
-            matched.append(m)
-        self.weight = self.decay * self.weight + 1
-        best = 0
-        for k in range(len(self.extra)):
-            best = max(best, matched[k]) if k < len(matched) else best
-            self.extra[k] = self.decay * self.extra[k] + max(0, best - a)
-        return True
-
     def expected_extra(self, k: int) -> float | None:
         """Extra accepted drafts per step with the first k candidates; None: none scored."""
-        if self.weight <= 0 or k < 1:
+        if k < 1 or not self.extra:
             return None
-        return self.extra[min(k, len(self.extra)) - 1] / self.weight
+        i = min(k, len(self.extra)) - 1
+        pooled = self.pool.mean(i) if self.pool is not None else None
+        prior = self.prior if pooled is not None else 0.0
+        undecided = sum(p.drafter_accepted is not None for p in self.pending)
+        weight = self.weight + undecided + prior
+        if weight <= 0:
+            return None
+        return (self.extra[i] + self.provisional[i] + prior * (pooled or 0.0)) / weight
+
+
+class CandidatePool:
+    """All requests' decided candidate scores, decayed: a new request's prior."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.extra: list[float] = []  # k - 1 -> decayed sum of extra accepted drafts with k
+        self.weight = 0.0
+
+    def add(self, extra: Sequence[float]) -> None:
+        if len(extra) > len(self.extra):  # a request that may take more: its k's start level
+            self.extra += [self.extra[-1] if self.extra else 0.0] * (len(extra) - len(self.extra))
+        self.weight = self.decay * self.weight + 1
+        self.extra = [self.decay * x + e for x, e in zip(self.extra, extra)]
+
+    def mean(self, i: int) -> float | None:
+        if self.weight <= 0 or not self.extra:
+            return None
+        return self.extra[min(i, len(self.extra) - 1)] / self.weight
+
+
+def _matched(known: Sequence[int], candidates: Sequence[Sequence[int]]) -> tuple[list[int], bool]:
+    """Each candidate's common prefix with ``known``, and whether all are decided (none still
+    matches the whole of ``known`` with tokens to go)."""
+    matched, decided = [], True
+    for c in candidates:
+        m = next((i for i, (x, y) in enumerate(zip(c, known)) if x != y), min(len(c), len(known)))
+        decided = decided and not m == len(known) < len(c)
+        matched.append(m)
+    return matched, decided
+
+
+def _extra(matched: Sequence[int], accepted: int, count: int) -> list[float]:
+    """Per k = 1..count: drafts the best of the first k candidates accepts beyond ``accepted``."""
+    out, best = [], 0
+    for k in range(count):
+        best = max(best, matched[k]) if k < len(matched) else best
+        out.append(float(max(0, best - accepted)))
+    return out
 
 
 def trie_nodes(candidates: Sequence[Sequence[int]]) -> int:
@@ -485,20 +562,27 @@ class _Open:
 
 class BeamPolicy:
     """The engine's beam policy (module docstring); ``max_width`` and ``max_length`` are the
-    engine's W and L, upper bounds of every shape. ``prior``: a step-cost curve, or None."""
+    engine's W and L, upper bounds of every shape. ``prior``: a step-cost curve, or None;
+    ``acceptance_prior``: the drafter's held-out P(a chain accepts >= d), d = 1, 2, ... (its
+    ``eval.json``: ``chain_top1``), or None."""
 
     def __init__(self, max_width: int, max_length: int, config: PolicyConfig = PolicyConfig(),
-                 prior: StepCost | BatchStepCost | None = None) -> None:
+                 prior: StepCost | BatchStepCost | None = None,
+                 acceptance_prior: Sequence[float] | None = None) -> None:
         self.max_width, self.max_length = max_width, max_length
         self.config, self.prior = config, prior
         self.widths = candidate_widths(max_width)
         self.acceptance = {k: AcceptanceStats(self.widths, config.acceptance_decay, config.ucb,
                                               config.depth_prior)
                            for k in KINDS}
+        if acceptance_prior:  # a greedy measure: sampled requests accept less, they start unseeded
+            self.acceptance["greedy"].seed(acceptance_prior, config.acceptance_prior_weight)
         self.buckets: dict[int, Bucket] = {}
         self._open: _Open | None = None
         self.texts: dict[str, CandidateStats] = {}  # req_id -> its context candidates' scores
+        self.pool = CandidatePool(config.candidate_decay)  # all requests' scores: a new one's prior
         self.calls = 0
+        self.priced: list[dict] = []  # the last step's candidate decisions, for the step log
         self._drafted = False  # whether the step before the one that just ended drafted
 
     def step(self, obs: StepObservation) -> Choice:
@@ -525,13 +609,13 @@ class BeamPolicy:
         if not rate and fit is not None:
             rate = n / max(fit[0] + fit[1] * n, 1e-9)
         price = self.config.min_gain * (fit[1] if fit else 0.0) * rate
-        counts, ids = [], set()
+        counts, ids, self.priced = [], set(), []
         for text in obs.texts:
             ids.add(text.req_id)
             stats = self.texts.get(text.req_id)
             if stats is None:
-                stats = self.texts[text.req_id] = CandidateStats(text.most,
-                                                                 self.config.candidate_decay)
+                stats = self.texts[text.req_id] = CandidateStats(
+                    text.most, self.config.candidate_decay, self.pool, self.config.candidate_prior)
             stats.observe(self.calls, text.output, text.drafter_accepted)
             best, value = 0, 0.0
             for k in range(1, len(text.candidates) + 1):
@@ -543,6 +627,9 @@ class BeamPolicy:
                     best, value = k, net
             stats.propose(self.calls, len(text.output), text.candidates)
             counts.append(best)
+            self.priced.append({"found": len(text.candidates), "extra": stats.expected_extra(1),
+                                "nodes": text.candidates and trie_nodes(text.candidates[:1]),
+                                "price": price, "k": best})
         for gone in set(self.texts) - ids:  # finished (or, for now, not drafting) requests
             del self.texts[gone]
         if sum(c > 0 for c in counts) < self.config.candidate_share * n:  # a minority's gain

@@ -315,6 +315,20 @@ class RecurrentDrafter(nn.Module):
 # -- helpers: target dims ------------------------------------------------------------------------
 
 
+def held_out_chain_acceptance(directory: str | Path) -> list[float] | None:
+    """The drafter's own held-out P(a greedy chain accepts >= d drafts), d = 1, 2, ...: its
+    ``eval.json``'s ``chain_top1`` as training wrote it; None where the file or the figure is
+    missing or malformed (an Apple checkpoint has none)."""
+    try:
+        chain = json.loads((Path(directory) / "eval.json").read_text())["chain_top1"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (not isinstance(chain, list) or not chain
+            or not all(isinstance(p, (int, float)) and 0.0 <= p <= 1.0 for p in chain)):
+        return None
+    return [float(p) for p in chain]
+
+
 def _embedding_shape(embedding: nn.Module) -> tuple[int, int]:
     """(vocab, hidden) of an embedding module.
 

@@ -64,7 +64,7 @@ from vllm_redrafter.context_candidates import (
     find_candidates,
     merge_candidates,
 )
-from vllm_redrafter.drafter import RecurrentDrafter
+from vllm_redrafter.drafter import RecurrentDrafter, held_out_chain_acceptance
 from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.vllm_plugin.config import (
     ReDrafterConfigError,
@@ -206,7 +206,8 @@ class ReDrafterProposer:
                     f"step-cost prior {path}" if prior is not None else
                     "learning this machine's step costs from its own steps")
         return BeamPolicy(self.settings.beam_width, self.settings.beam_length,
-                          PolicyConfig(min_gain=self.settings.min_gain), prior)
+                          PolicyConfig(min_gain=self.settings.min_gain), prior,
+                          held_out_chain_acceptance(self.settings.drafter_dir))
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -524,7 +525,8 @@ class ReDrafterProposer:
             record.update(shape=[choice.width, choice.length], reason=choice.reason,
                           expected_tps=choice.tokens_per_second,
                           plain_tps=choice.plain_tokens_per_second,
-                          policy=self.policy.describe(len(requests)))
+                          policy=self.policy.describe(len(requests)),
+                          candidates=self.policy.priced)
         with open(self.step_log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
