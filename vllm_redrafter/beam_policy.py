@@ -95,7 +95,7 @@ class PolicyConfig:
     acceptance_prior_weight: float = 4.0
     """Trees' worth of weight the drafter's own held-out chain acceptance (its ``eval.json``)
     has in the greedy counts before any tree is verified (:meth:`AcceptanceStats.seed`), fading
-    with them. Without it (the EPYC, 2026-11-30, batch 1, cold, step log) the first four trees
+    with them. Without it (the EPYC, 2026-11-29, batch 1, cold, step log) the first four trees
     (two of them accepting nothing) rated depth 1 at 0.25 against the drafter's 0.54, no shape
     paid, and the engine stepped plain for 22 steps until an exploring step: a third of that
     run's steps were plain. 4: two such trees move depth 1 from 0.54 to 0.36."""
@@ -126,7 +126,7 @@ class PolicyConfig:
     candidate_prior: float = 1.0
     """Scores' worth of weight a request's candidate mean gives the mean of all requests' scores
     (:class:`CandidatePool`): a new request is rated like the ones before it until its own
-    candidates are scored. Without it (the EPYC, 2026-11-30, batch 1, step log) a request took
+    candidates are scored. Without it (the EPYC, 2026-11-29, batch 1, step log) a request took
     no candidate until one was decided, and one that copies right is decided last: 27 of 99
     steps with a candidate found took none for want of a score."""
     candidate_floor: float = 0.05
@@ -629,7 +629,7 @@ class BeamPolicy:
             stats.propose(self.calls, len(text.output), text.candidates)
             counts.append(best)
             self.priced.append({"found": len(text.candidates), "extra": stats.expected_extra(1),
-                                "nodes": text.candidates and trie_nodes(text.candidates[:1]),
+                                "nodes": trie_nodes(text.candidates[:1]),
                                 "price": price, "k": best})
         for gone in set(self.texts) - ids:  # finished (or, for now, not drafting) requests
             del self.texts[gone]

@@ -13,7 +13,8 @@ packed nodes after the root as the request's draft list; it keeps each tree's sh
 Debug: with ``VLLM_REDRAFTER_STEP_LOG=FILE`` every step appends one JSON line to FILE (the time
 of the call, the requests and the tokens each emitted, the beam shape chosen, the policy's
 expected tokens/s for it and for a plain step, the rule that chose it, what it knows of this
-batch size: ``BeamPolicy.describe``): ``benchmarks/step_log.py``
+batch size: ``BeamPolicy.describe``, and its pricing of each request's context candidates:
+``BeamPolicy.priced``): ``benchmarks/step_log.py``
 turns it into realized tokens/s per batch size and shape, beside what the policy expected.
 
 Context candidates (``context_candidates.py``): up to ``context_candidates`` continuations found
