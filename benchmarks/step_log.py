@@ -7,7 +7,8 @@ request joined, none prefilling) are grouped by batch size and the shape the pol
 group shows the realized tokens/s and its ratio to plain decode steps of the same batch size, beside
 the ratio the policy expected when it chose. Steps in which a request joined (its prefill ran in
 them) are summed apart: their time is part of what drafting must win back. The policy's reasons
-(which rule chose each step: best, explore, plain-refresh, no-shape-pays, ...) are counted.
+(which rule chose each step: best, explore, plain-refresh, no-shape-pays, ...) are counted, and
+the steps where a request's lookup found a context candidate, by what the policy did with it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def steps(lines: list[dict]) -> list[dict]:
             "expected_tps": before.get("expected_tps"),
             "plain_tps": before.get("plain_tps"),
             "reason": before.get("reason"),
+            "candidates": before.get("candidates") or [],
         })
     return rows
 
@@ -68,7 +70,29 @@ def summary(rows: list[dict], min_batch: int = 1, gap: float = 1.0) -> dict:
                for k in ("decode", "join", "prefill")} if total else {}
     reasons = Counter(r["reason"] for r in rows if r.get("reason"))
     return {"cells": cells, "time_share": by_kind, "reasons": dict(sorted(reasons.items())),
-            "tokens_per_s": sum(r["tokens"] for r in rows) / total if total else 0.0}
+            "tokens_per_s": sum(r["tokens"] for r in rows) / total if total else 0.0,
+            "candidates": candidate_counts(rows)}
+
+
+def candidate_counts(rows: list[dict]) -> dict[str, int]:
+    """Requests' steps where the lookup found a context candidate, by what the policy did: took
+    one, had no score for it yet, priced it above its expected extra tokens, or (an expected
+    gain above the price) left it to the step's rules (``candidate_share``, the safety net)."""
+    counts: Counter = Counter()
+    for r in rows:
+        for c in r["candidates"]:
+            if not c.get("found"):
+                continue
+            counts["found"] += 1
+            if c["k"]:
+                counts["taken"] += 1
+            elif c["extra"] is None:
+                counts["unscored"] += 1
+            elif c["extra"] <= c["price"] * c["nodes"]:
+                counts["below_price"] += 1
+            else:
+                counts["other_rule"] += 1
+    return dict(counts)
 
 
 def print_summary(s: dict) -> None:
@@ -84,6 +108,9 @@ def print_summary(s: dict) -> None:
     print(f"time in steps: {share}; tokens/s over all steps {s['tokens_per_s']:.1f}")
     if s.get("reasons"):
         print("the policy's reasons: " + ", ".join(f"{k} {v}" for k, v in s["reasons"].items()))
+    if s.get("candidates"):
+        print("steps that found a context candidate: "
+              + ", ".join(f"{k} {v}" for k, v in s["candidates"].items()))
 
 
 def main() -> None:

@@ -464,6 +464,12 @@ def test_step_log_summarizes_what_the_policy_chose():
     s = step_log.summary(step_log.steps(lines))  # 9 steps between 10 lines
     assert s["reasons"] == {"best": 4, "plain-refresh": 5}
     assert {tuple(c["shape"]) for c in s["cells"]} == {(1, 3), (0, 0)}
+    found = {"found": 1, "nodes": 5, "price": 0.1}
+    lines[0]["candidates"] = [dict(found, extra=None, k=0), dict(found, extra=2.0, k=1)]
+    lines[1]["candidates"] = [dict(found, extra=0.4, k=0), dict(found, extra=0.6, k=0),
+                              {"found": 0, "nodes": 0, "price": 0.1, "extra": 1.0, "k": 0}]
+    assert step_log.summary(step_log.steps(lines))["candidates"] == {
+        "found": 4, "unscored": 1, "taken": 1, "below_price": 1, "other_rule": 1}
 
 
 # -- context candidates ------------------------------------------------------------------------------
