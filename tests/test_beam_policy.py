@@ -483,11 +483,11 @@ def test_candidates_are_scored_in_the_shadow_beyond_the_drafters_acceptance():
     output += [4, 5]  # the step emitted 2 tokens: candidate 0 matched both, may match more
     assert stats.expected_extra(1) is None  # nothing scored, no pool to lean on
     stats.observe(2, output, 1)  # the drafter's beams accepted 1 of them
-    assert stats.weight == 0.0  # undecided, counted at what it matched so far: 2 - 1
+    assert stats.scores.weight == 0.0  # undecided, counted at what it matched so far: 2 - 1
     assert stats.expected_extra(1) == 1.0 and len(stats.pending) == 1
     output += [0]  # the third token is not candidate 0's
     stats.observe(3, output, 0)
-    assert stats.weight == 1.0 and stats.pending == []
+    assert stats.scores.weight == 1.0 and stats.pending == []
     assert stats.expected_extra(1) == 1.0 and stats.expected_extra(2) == 1.0  # 2 matched - 1
     stats.propose(3, len(output), ((3,), (0, 0, 0)))
     output += [0, 0, 0]
@@ -496,7 +496,7 @@ def test_candidates_are_scored_in_the_shadow_beyond_the_drafters_acceptance():
     assert stats.expected_extra(2) == 2.0  # (1 + 3) / 2: the second one matched 3
     stats.propose(5, len(output), ((1,),))  # proposed at call 5, but call 6 never came:
     stats.observe(7, output + [1], 0)  # its drafter's acceptance is unknown, it is dropped
-    assert stats.pending == [] and stats.weight == 2.0
+    assert stats.pending == [] and stats.scores.weight == 2.0
     assert beam_policy.trie_nodes([(1, 2), (1, 3), (1, 2, 4)]) == 4
 
 
@@ -508,12 +508,12 @@ def test_a_candidate_that_copies_right_counts_before_it_is_decided():
     stats.observe(2, [9, 1], 0)
     stats.propose(2, 2, ((8,),))  # a miss
     stats.observe(3, [9, 1, 2], 0)
-    assert stats.weight == 1.0 and stats.extra[0] == 0.0  # decided: the miss only (the control)
+    assert stats.scores.weight == 1.0 and stats.scores.total(0) == 0.0  # decided: the miss only (the control)
     assert stats.expected_extra(1) == 1.0  # (0 + the copy's 2 so far) / 2
 
 
 def test_a_new_request_is_rated_like_the_requests_before_it():
-    pool = beam_policy.CandidatePool(decay=1.0)
+    pool = beam_policy.CandidateScores(decay=1.0)
     first = beam_policy.CandidateStats(1, 1.0, pool, prior=1.0)
     first.propose(1, 1, ((4, 5),))
     first.observe(2, [9, 4, 5, 6], 0)  # matched both: 2 beyond the drafter's 0

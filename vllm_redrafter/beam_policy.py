@@ -125,7 +125,7 @@ class PolicyConfig:
     are short (64 tokens are ~40 steps) and change topic, so ~10 proposals make the estimate."""
     candidate_prior: float = 1.0
     """Scores' worth of weight a request's candidate mean gives the mean of all requests' scores
-    (:class:`CandidatePool`): a new request is rated like the ones before it until its own
+    (:class:`CandidateScores`): a new request is rated like the ones before it until its own
     candidates are scored. Without it (the EPYC, 2026-11-29, batch 1, step log) a request took
     no candidate until one was decided, and one that copies right is decided last: 27 of 99
     steps with a candidate found took none for want of a score."""
@@ -395,15 +395,14 @@ class CandidateStats:
     A proposal whose candidate still matches all the output emitted since is undecided (it may
     go on matching) and counts at what it matched so far, a lower bound: a candidate that copies
     right is decided last, and leaving it out would rate a request by its misses. A request's
-    mean leans on ``pool`` (all requests' scores, :class:`CandidatePool`) with ``prior`` scores'
-    worth, so its first steps are rated like the requests before it.
+    mean leans on ``pool`` (all requests' scores) with ``prior`` scores' worth, so its first
+    steps are rated like the requests before it.
     """
 
-    def __init__(self, count: int, decay: float, pool: CandidatePool | None = None,
+    def __init__(self, count: int, decay: float, pool: CandidateScores | None = None,
                  prior: float = 0.0) -> None:
-        self.decay, self.pool, self.prior = decay, pool, prior
-        self.extra = [0.0] * count  # k - 1 -> decayed sum of extra accepted drafts with k
-        self.weight = 0.0
+        self.count, self.pool, self.prior = count, pool, prior
+        self.scores = CandidateScores(decay)  # the decided proposals
         self.pending: list[Proposal] = []
         self.provisional = [0.0] * count  # k - 1 -> the undecided proposals' extra so far
 
@@ -414,41 +413,42 @@ class CandidateStats:
             if p.drafter_accepted is None and p.call == call - 1:
                 p.drafter_accepted = drafter_accepted
         self.pending = [p for p in self.pending if p.drafter_accepted is not None]  # else missed
-        self.provisional = [0.0] * len(self.extra)
+        self.provisional = [0.0] * self.count
         undecided = []
         for p in self.pending:
             matched, decided = _matched(output[p.position:], p.candidates)
-            extra = _extra(matched, p.drafter_accepted, len(self.extra))
+            extra = _extra(matched, p.drafter_accepted, self.count)
             if decided:
-                self.weight = self.decay * self.weight + 1
-                self.extra = [self.decay * x + e for x, e in zip(self.extra, extra)]
-                if self.pool is not None:
-                    self.pool.add(extra)
+                for scores in (self.scores, self.pool):
+                    if scores is not None:
+                        scores.add(extra)
             else:
                 undecided.append(p)
                 self.provisional = [x + e for x, e in zip(self.provisional, extra)]
         self.pending = undecided
 
     def propose(self, call: int, position: int, candidates: Sequence[Sequence[int]]) -> None:
-        if candidates and self.extra:
+        if candidates and self.count:
             self.pending.append(Proposal(call, position, candidates))
 
     def expected_extra(self, k: int) -> float | None:
         """Extra accepted drafts per step with the first k candidates; None: none scored."""
-        if k < 1 or not self.extra:
+        if k < 1 or not self.count:
             return None
-        i = min(k, len(self.extra)) - 1
+        i = min(k, self.count) - 1
         pooled = self.pool.mean(i) if self.pool is not None else None
         prior = self.prior if pooled is not None else 0.0
         undecided = sum(p.drafter_accepted is not None for p in self.pending)
-        weight = self.weight + undecided + prior
+        weight = self.scores.weight + undecided + prior
         if weight <= 0:
             return None
-        return (self.extra[i] + self.provisional[i] + prior * (pooled or 0.0)) / weight
+        return (self.scores.total(i) + self.provisional[i] + prior * (pooled or 0.0)) / weight
 
 
-class CandidatePool:
-    """All requests' decided candidate scores, decayed: a new request's prior."""
+class CandidateScores:
+    """Decided candidate scores, decayed per score: per k, the sum of extra accepted drafts with
+    the first k candidates, and their weight. One per request, and the policy's pool of all
+    requests' (a new request's prior)."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
@@ -461,10 +461,12 @@ class CandidatePool:
         self.weight = self.decay * self.weight + 1
         self.extra = [self.decay * x + e for x, e in zip(self.extra, extra)]
 
+    def total(self, i: int) -> float:
+        """The decayed sum with the first i + 1 candidates (the most scored, if fewer)."""
+        return self.extra[min(i, len(self.extra) - 1)] if self.extra else 0.0
+
     def mean(self, i: int) -> float | None:
-        if self.weight <= 0 or not self.extra:
-            return None
-        return self.extra[min(i, len(self.extra) - 1)] / self.weight
+        return self.total(i) / self.weight if self.weight > 0 and self.extra else None
 
 
 def _matched(known: Sequence[int], candidates: Sequence[Sequence[int]]) -> tuple[list[int], bool]:
@@ -581,7 +583,7 @@ class BeamPolicy:
         self.buckets: dict[int, Bucket] = {}
         self._open: _Open | None = None
         self.texts: dict[str, CandidateStats] = {}  # req_id -> its context candidates' scores
-        self.pool = CandidatePool(config.candidate_decay)  # all requests' scores: a new one's prior
+        self.pool = CandidateScores(config.candidate_decay)  # all requests' scores: a new one's prior
         self.calls = 0
         self.priced: list[dict] = []  # the last step's candidate decisions, for the step log
         self._drafted = False  # whether the step before the one that just ended drafted
