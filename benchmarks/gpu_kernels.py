@@ -18,12 +18,14 @@ Measures, on the current CUDA device (bf16, random weights: timing only):
    (in-kernel Philox noise) against the torch path (target_probs + exponential race), and the
    sigmoid approximation's time and total-variation distance (synthetic Gaussian logits);
 5. one ReDrafter step at Vicuna-7B and Llama-3.1-8B target shapes, batch B in {1, 8, 32}, W as in
-   2., context 512: the target's plain one-token step and its verification step over the packed
-   tree (every layer's weight GEMMs, RMSNorms and paged tree attention, then the LM head over every
-   verified token), the packing of the drafted beams (build_tree + the attention bitmask), and the
-   per-step overhead c = (draft + pack + verify) / plain step: ReDrafter is faster than the target
-   alone when its tokens per step exceed c. The drafter here is random, so its beams share little
-   but the root: the packed sizes are close to the worst case W * (L - 1) + 1;
+   2. (``--batches``, ``--widths``, ``--targets`` choose others), context 512: the target's plain
+   one-token step and its verification step over the packed tree (every layer's weight GEMMs,
+   RMSNorms and paged tree attention, then the LM head over every verified token), the drafting
+   (the beam section's faster path, else torch's: the proposer's), the packing of the drafted
+   beams (build_tree + the attention bitmask), and the per-step overhead c = (draft + pack +
+   verify) / plain step: ReDrafter is faster than the target alone when its tokens per step
+   exceed c. The drafter here is random, so its beams share little but the root: the packed
+   sizes are close to the worst case W * (L - 1) + 1;
 6. tune: the tree-attention kernel and the fused beam step's selection over their block sizes, at
    the shapes where their defaults lost to SDPA / torch on an H100 (slow: Triton compiles each
    configuration; ``--only`` the others to skip it).
@@ -48,7 +50,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -533,7 +535,6 @@ def draft_ms(beam_rows: list[dict], drafter: str, batch: int, width: int) -> flo
 
 def bench_step(rates: dict, quick: bool, beam_rows: list[dict]) -> list[dict]:
     from vllm_redrafter.beam_search import beam_search
-    from vllm_redrafter.kernels.fused_beam_step import beam_search_fused
     from vllm_redrafter.kernels.tree_attention import pack_tree_mask
     from vllm_redrafter.tree import build_tree
 
@@ -558,9 +559,8 @@ def bench_step(rates: dict, quick: bool, beam_rows: list[dict]) -> list[dict]:
                     pack_ms, _ = timed(lambda: pack(beams), graph=False)
                     num_packed, words = pack(beams)
                     drafted = draft_ms(beam_rows, drafter_name, batch, width)
-                    if drafted is None:  # the beam section did not run: time the faster path here
-                        drafted = min(timed(lambda: search(drafter, h, g0, width, LENGTH))[0]
-                                      for search in (beam_search, beam_search_fused))
+                    if drafted is None:  # the beam section did not run: time the proposer's path
+                        drafted = timed(lambda: beam_search(drafter, h, g0, width, LENGTH))[0]
                     verify_ms, verify_bound, graph = target.time_step(num_packed.cpu(), words, rates)
                     c = (drafted + pack_ms + verify_ms) / plain_ms
                     rows.append({
@@ -650,6 +650,21 @@ def plot_steps(rows: list[dict], png: Path) -> None:
 SECTIONS = ("tree", "sampling", "beam", "step", "tune")
 
 
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def narrowed(sizes: Sizes, batches: tuple | None, widths: tuple | None,
+             targets: list[str] | None) -> Sizes:
+    """``sizes`` with the command line's batch sizes, widths and targets (None: as they are)."""
+    if targets is not None:
+        unknown = set(targets) - set(sizes.targets)
+        if unknown:
+            sys.exit(f"--targets: unknown {sorted(unknown)}; known: {sorted(sizes.targets)}")
+        sizes = replace(sizes, targets={t: sizes.targets[t] for t in targets})
+    return replace(sizes, batches=batches or sizes.batches, widths=widths or sizes.widths)
+
+
 def main(argv: list[str] | None = None) -> int:
     global SIZES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -660,6 +675,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="only redraw the step plot of an earlier run's JSON (PNG beside it)")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU in Triton's interpreter: checks the script runs")
+    parser.add_argument("--batches", type=ints, default=None, metavar="B,B,...",
+                        help="batch sizes of the beam and step sections (default 1,8,32)")
+    parser.add_argument("--widths", type=ints, default=None, metavar="W,W,...",
+                        help="beam widths of the beam and step sections (default 1,8,32,64)")
+    parser.add_argument("--targets", type=lambda s: s.split(","), default=None, metavar="NAME,...",
+                        help="target shapes of the step section (default: all)")
     args = parser.parse_args(argv)
     if args.plot:
         plot_steps(json.loads(args.plot.read_text())["rows"], args.plot.with_suffix(".png"))
@@ -672,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         SIZES = GPU
         require_gpu()
+    SIZES = narrowed(SIZES, args.batches, args.widths, args.targets)
     import triton
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -37,6 +37,7 @@ def steps(lines: list[dict]) -> list[dict]:
             "plain_tps": before.get("plain_tps"),
             "reason": before.get("reason"),
             "candidates": before.get("candidates") or [],
+            "used": before.get("used"),  # the step's final candidate counts
         })
     return rows
 
@@ -75,23 +76,18 @@ def summary(rows: list[dict], min_batch: int = 1, gap: float = 1.0) -> dict:
 
 
 def candidate_counts(rows: list[dict]) -> dict[str, int]:
-    """Requests' steps where the lookup found a context candidate, by what the policy did: took
-    one, had no score for it yet, priced it above its expected extra tokens, or (an expected
-    gain above the price) left it to the step's rules (``candidate_share``, the safety net)."""
+    """Requests' steps where the lookup found a context candidate, by what the policy decided
+    (its ``why``: taken, unscored, below_floor, below_price); ``share_rule``: taken by the
+    request but left out by the step (``candidate_share`` or the safety net)."""
     counts: Counter = Counter()
     for r in rows:
-        for c in r["candidates"]:
+        for c, used in zip(r["candidates"], r.get("used") or [None] * len(r["candidates"])):
             if not c.get("found"):
                 continue
             counts["found"] += 1
-            if c["k"]:
-                counts["taken"] += 1
-            elif c["extra"] is None:
-                counts["unscored"] += 1
-            elif c["extra"] <= c["price"] * c["nodes"]:
-                counts["below_price"] += 1
-            else:
-                counts["other_rule"] += 1
+            counts[c["why"]] += 1
+            if c["why"] == "taken" and used == 0:
+                counts["share_rule"] += 1
     return dict(counts)
 
 

@@ -32,7 +32,8 @@ from vllm_redrafter.policy_sim import Acceptance, Machine, median_time_per_token
 
 DATA = Path(__file__).parent / "data"
 CPU = policy_sim.cpu_machine(json.loads((DATA / "step_cost_xeon_amx.json").read_text())["cells"])
-H100 = policy_sim.h100_machine(json.loads((DATA / "gpu_kernels_h100.json").read_text())["rows"])
+H100 = policy_sim.gpu_machine(json.loads((DATA / "gpu_kernels_h100.json").read_text())["rows"])
+H200 = policy_sim.gpu_machine(json.loads((DATA / "gpu_steps_h200.json").read_text())["rows"])
 SHIPPED = policy_sim.shipped_acceptance()
 """The shipped drafter's acceptance per width (policy_sim's docstring: its source)."""
 
@@ -364,22 +365,25 @@ def test_where_drafting_never_pays_the_policy_stays_within_two_percent_of_plain(
 PAPER_TABLE5 = policy_sim.PAPER_TABLE5
 
 
-def test_h100_step_table_leads_to_the_papers_pattern():
-    """The H100 step table (tests/data/gpu_kernels_h100.json: Vicuna-7B target and drafter,
-    interpolated within the measured B = 1, 8, 32 only) and acceptance per width fixed from a
-    stated source, not fitted: the shipped drafter's measured tokens/step (1.73 / 1.87 / 2.06 /
-    2.25 / 2.38 at W = 1 / 2 / 4 / 8 / 16, L = 4, default_drafter_grid20_L4.json) and the
-    ReDrafter paper's 4.2 tokens/step at W = 64 (greedy, Vicuna-7B), W = 32 halfway in log2 W
-    (policy_sim's docstring). With no curve, under a load that grows (batch 1 for 2000 steps,
-    then 2, 8, 20, 32 for 600 each), the width drafted most at each batch size is wider than 1
-    at batch 1 and never grows with the batch, as in the paper's Table 5 (64 at batch 1-2, 16
-    at 8, 4 at 20-40)."""
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_gpu_step_tables_lead_to_the_papers_pattern(gpu):
+    """A GPU step table (tests/data: Vicuna-7B target and drafter; the H100's measured at B = 1,
+    8, 32 and interpolated between them, the H200's measured at every batch size here) and
+    acceptance per width fixed from a stated source, not fitted: the shipped drafter's measured
+    tokens/step (1.73 / 1.87 / 2.06 / 2.25 / 2.38 at W = 1 / 2 / 4 / 8 / 16, L = 4,
+    default_drafter_grid20_L4.json) and the ReDrafter paper's 4.2 tokens/step at W = 64 (greedy,
+    Vicuna-7B), W = 32 halfway in log2 W (policy_sim's docstring). With no curve, under a load
+    that grows (batch 1 for 2000 steps, then 600 steps at each of the paper's batch sizes the
+    table holds), the width drafted most at each batch size is wider than 1 at batch 1 and never
+    grows with the batch, as in the paper's Table 5 (64 at batch 1-2, 16 at 8, 4 at 20-40)."""
+    machine, last = {"h100": (H100, 32), "h200": (H200, 40)}[gpu]
     policy, widths, gains = BeamPolicy(64, 5), {}, {}
-    for batch, steps in ((1, 2000), (2, 600), (8, 600), (20, 600), (32, 600)):
-        log = run(policy, H100, SHIPPED, batch, steps, tag=f"b{batch}-")
+    for batch in [b for b in PAPER_TABLE5 if b <= last]:
+        steps = 2000 if batch == 1 else 600
+        log = run(policy, machine, SHIPPED, batch, steps, tag=f"b{batch}-")
         widths[batch] = collections.Counter(s.width for s in log[steps // 2:]).most_common(1)[0][0]
-        gains[batch] = rate(log) / plain_rate(H100, SHIPPED, batch)
-    print(f"\nwidth by batch {widths}, the paper's {PAPER_TABLE5}; gain {gains}")
+        gains[batch] = rate(log) / plain_rate(machine, SHIPPED, batch)
+    print(f"\n{gpu}: width by batch {widths}, the paper's {PAPER_TABLE5}; gain {gains}")
     assert widths[1] > 1
     assert all(widths[a] >= widths[b] for a, b in zip(widths, list(widths)[1:])), widths
     assert min(gains.values()) > 1.1  # drafting pays at all these batch sizes on this table
@@ -465,11 +469,13 @@ def test_step_log_summarizes_what_the_policy_chose():
     assert s["reasons"] == {"best": 4, "plain-refresh": 5}
     assert {tuple(c["shape"]) for c in s["cells"]} == {(1, 3), (0, 0)}
     found = {"found": 1, "nodes": 5, "price": 0.1}
-    lines[0]["candidates"] = [dict(found, extra=None, k=0), dict(found, extra=2.0, k=1)]
-    lines[1]["candidates"] = [dict(found, extra=0.4, k=0), dict(found, extra=0.6, k=0),
-                              {"found": 0, "nodes": 0, "price": 0.1, "extra": 1.0, "k": 0}]
+    lines[0]["candidates"] = [dict(found, why="unscored"), dict(found, why="taken")]
+    lines[0]["used"] = [0, 1]
+    lines[1]["candidates"] = [dict(found, why="below_price"), dict(found, why="taken"),
+                              {"found": 0, "why": "below_price"}]
+    lines[1]["used"] = [0, 0, 0]  # the step's rules left the taken one out
     assert step_log.summary(step_log.steps(lines))["candidates"] == {
-        "found": 4, "unscored": 1, "taken": 1, "below_price": 1, "other_rule": 1}
+        "found": 4, "unscored": 1, "taken": 2, "below_price": 1, "share_rule": 1}
 
 
 # -- context candidates ------------------------------------------------------------------------------
@@ -578,3 +584,16 @@ def test_where_the_drafter_does_not_pay_candidates_alone_are_drafted():
     alone = sum(s.width == 0 and s.candidates[0] for s in late) / len(late)
     assert alone > 0.5, alone
     assert rate(log) > 1.3 * rate(run((0, 0), CPU, weak, 1, 1000))
+
+
+def test_the_policy_says_why_a_request_s_candidates_were_taken_or_not():
+    """``BeamPolicy.priced`` (the step log's record): a new request's candidate has no score yet;
+    later, one that copies is taken, one that is right 10% of the time costs more than it
+    brings, one that never is falls under the floor."""
+    texts = [COPYING, (0.1, 0.0, 0.0), NOT_COPYING]
+    policy = BeamPolicy(4, 4)
+    run(policy, CPU, SHIPPED, 3, 1, candidates=texts)
+    assert [p["why"] for p in policy.priced] == ["unscored"] * 3
+    run(policy, CPU, SHIPPED, 3, 400, candidates=texts, tag="later")
+    assert [p["why"] for p in policy.priced] == ["taken", "below_price", "below_floor"]
+    assert [p["k"] > 0 for p in policy.priced] == [True, False, False]

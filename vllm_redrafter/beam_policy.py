@@ -563,6 +563,17 @@ class _Open:
     choice: Choice
 
 
+def _why(k: int, extra: float | None, floor: float) -> str:
+    """Why a request's candidates were taken or not (the step log's ``why``): ``taken``,
+    ``unscored`` (no expected gain yet), ``below_floor`` or ``below_price`` (no k's gain
+    exceeded its nodes' price); before ``candidate_share`` and the safety net."""
+    if k:
+        return "taken"
+    if extra is None:
+        return "unscored"
+    return "below_floor" if extra < floor else "below_price"
+
+
 class BeamPolicy:
     """The engine's beam policy (module docstring); ``max_width`` and ``max_length`` are the
     engine's W and L, upper bounds of every shape. ``prior``: a step-cost curve, or None;
@@ -620,19 +631,20 @@ class BeamPolicy:
                 stats = self.texts[text.req_id] = CandidateStats(
                     text.most, self.config.candidate_decay, self.pool, self.config.candidate_prior)
             stats.observe(self.calls, text.output, text.drafter_accepted)
-            best, value = 0, 0.0
+            best, value, first = 0, 0.0, {"extra": None, "nodes": 0}
             for k in range(1, len(text.candidates) + 1):
-                extra = stats.expected_extra(k)
+                extra, nodes = stats.expected_extra(k), trie_nodes(text.candidates[:k])
+                if k == 1:
+                    first = {"extra": extra, "nodes": nodes}
                 if extra is None or extra < self.config.candidate_floor:
                     continue
-                net = extra - price * trie_nodes(text.candidates[:k])
+                net = extra - price * nodes
                 if net > value:
                     best, value = k, net
             stats.propose(self.calls, len(text.output), text.candidates)
             counts.append(best)
-            self.priced.append({"found": len(text.candidates), "extra": stats.expected_extra(1),
-                                "nodes": trie_nodes(text.candidates[:1]),
-                                "price": price, "k": best})
+            self.priced.append(dict(first, found=len(text.candidates), price=price, k=best,
+                                    why=_why(best, first["extra"], self.config.candidate_floor)))
         for gone in set(self.texts) - ids:  # finished (or, for now, not drafting) requests
             del self.texts[gone]
         if sum(c > 0 for c in counts) < self.config.candidate_share * n:  # a minority's gain

@@ -18,10 +18,13 @@ Sources (the numbers are copied below, with where they come from):
 - packed tree sizes: ``benchmarks/results/compression_ratio.json`` (trained drafter, L = 5):
   12.4 / 21.9 / 40.1 / 73.3 / 135.7 nodes at W = 4 / 8 / 16 / 32 / 64; W = 2 halfway between a
   chain and W = 4; shorter beams in proportion to L - 1.
-- H100 costs: ``benchmarks/results/gpu_kernels_h100.json``'s ``redrafter_step`` rows, Vicuna-7B
-  target and drafter, B = 1, 8, 32, context 512, L = 5, CUDA graphs (``tests/data`` keeps a copy):
-  the plain step, the verify forward by verified tokens, the drafting (beam search, scaled by
-  (L - 1) / 4 for shorter beams) and the packing.
+- GPU costs (:func:`gpu_machine`): a ``benchmarks/gpu_kernels.py`` step table's
+  ``redrafter_step`` rows, Vicuna-7B target and drafter, context 512, L = 5, CUDA graphs: the
+  plain step, the verify forward by verified tokens, the drafting (beam search, scaled by
+  (L - 1) / 4 for shorter beams) and the packing. H100: ``benchmarks/results/
+  gpu_kernels_h100.json``, B = 1, 8, 32 (``tests/data`` keeps a copy); H200:
+  ``benchmarks/results/gpu_steps_h200.json``, B = 1, 2, 4, 8, 16, 20, 32, 40 (every batch size
+  of the paper's Table 5 measured, none interpolated).
 - CPU costs: ``benchmarks/results/step_cost_xeon_amx.json`` (SmolLM2-135M on 2 Xeon cores, a
   forward over T tokens per request at B = 1 ... 32); drafting 1.9 ms per beam step plus 0.1 ms
   per beam row, packing 0.55 ms per request (``benchmarks/results/HISTORY.md``: beam search 3.8
@@ -130,8 +133,8 @@ def by_batch(curves: dict[int, Callable[[float], float]]) -> Callable[[int, floa
     return at
 
 
-def h100_machine(rows: Iterable[dict], target: str = "vicuna-7b") -> Machine:
-    """The H100 step table's costs (module docstring), milliseconds -> seconds."""
+def gpu_machine(rows: Iterable[dict], target: str = "vicuna-7b") -> Machine:
+    """A GPU step table's costs (module docstring: GPU costs), milliseconds -> seconds."""
     rows = [r for r in rows if r.get("kernel") == "redrafter_step" and r["target"] == target
             and r["drafter"] == target]
     verify, draft = {}, {}

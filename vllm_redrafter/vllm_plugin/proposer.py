@@ -527,7 +527,7 @@ class ReDrafterProposer:
                           expected_tps=choice.tokens_per_second,
                           plain_tps=choice.plain_tokens_per_second,
                           policy=self.policy.describe(len(requests)),
-                          candidates=self.policy.priced)
+                          candidates=self.policy.priced, used=list(choice.candidates))
         with open(self.step_log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
