@@ -26,10 +26,58 @@ OUT (json): {"plugin_patched": bool, "outputs": [[token ids] per prompt] per run
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 JOB_MARK = "::: _vllm_generate job "  # printed before each of several jobs' logs
+
+
+def start_job(job: dict, work: Path, env: dict[str, str] | None = None,
+              new_session: bool = False) -> subprocess.Popen:
+    """For the tests: this script on ``job`` in a fresh process (its engine in that process;
+    the plugin allowed unless ``env`` sets VLLM_PLUGINS), job, output and log in ``work``;
+    :func:`finish_job` reads them. ``new_session``: :func:`stop_job` kills its whole group."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "job.json").write_text(json.dumps(job))
+    full_env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    full_env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
+    with (work / "log.txt").open("w") as log:
+        return subprocess.Popen([sys.executable, __file__, str(work / "job.json"),
+                                 str(work / "out.json")], env=full_env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=new_session)
+
+
+def stop_job(run: subprocess.Popen) -> None:
+    """Kill a started run if it still runs (its process group, if it leads one)."""
+    if run.poll() is None:
+        try:
+            if os.getpgid(run.pid) == run.pid:
+                os.killpg(run.pid, signal.SIGKILL)
+            else:
+                run.kill()
+        except ProcessLookupError:
+            pass
+        run.wait()
+
+
+def finish_job(run: subprocess.Popen, work: Path, timeout: float = 900) -> dict:
+    """The started run's output json, with its log under "log" (for several jobs: {name: its
+    output json with its part of the log}); killed if it outlives ``timeout`` seconds."""
+    try:
+        returncode = run.wait(timeout=timeout)
+    finally:
+        stop_job(run)
+    log = (work / "log.txt").read_text(errors="replace")
+    assert returncode == 0, f"{work.name} run failed:\n{log[-4000:]}"
+    out = json.loads((work / "out.json").read_text())
+    if "jobs" not in out:
+        return {**out, "log": log}
+    logs = dict(part.split("\n", 1) for part in log.split(JOB_MARK)[1:])
+    return {name: {**result, "log": logs[name]} for name, result in out["jobs"].items()}
 
 
 def sampling_params(p: dict):

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 import ray_cpu_shims
+from _vllm_generate import finish_job, start_job, stop_job
 from conftest import DEFAULT_DRAFTER, chat_prompts
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 NUM_PROMPTS, MAX_TOKENS = 4, 64
 TP = 3  # the embedded target's 9 query / 3 KV heads split as 1 or 3
 GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -57,10 +57,6 @@ def references(target_dir, drafter_dir, prompts, tmp_path_factory) -> dict[str, 
     """Greedy of vLLM alone (TP = 1, plugin not loaded); seeded sampling of the single-worker
     ReDrafter engine. Each in a fresh process (tests/_vllm_generate.py), side by side: one
     OpenMP thread each, the two cores."""
-    import json
-    import subprocess
-    import sys
-
     work = tmp_path_factory.mktemp("ray_references")
     jobs = {
         "alone": ({"engine": engine_kwargs(target_dir),
@@ -70,29 +66,17 @@ def references(target_dir, drafter_dir, prompts, tmp_path_factory) -> dict[str, 
                         "runs": [{"prompts": prompts, "params": SEEDED}]}, {}),
     }
     start = time.monotonic()
-    running = {}
-    for name, (job, extra_env) in jobs.items():
-        (work / f"{name}.json").write_text(json.dumps(job))
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", **extra_env})
-        log = (work / f"{name}.log").open("w")
-        running[name] = (log, subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "_vllm_generate.py"), str(work / f"{name}.json"),
-             str(work / f"{name}.out.json")], env=env, stdout=log, stderr=subprocess.STDOUT))
+    running = {name: start_job(job, work / name, {"OMP_NUM_THREADS": "1", **extra_env})
+               for name, (job, extra_env) in jobs.items()}
     outputs = {}
     try:
-        for name, (log, process) in running.items():
-            returncode = process.wait(timeout=600)
-            log.close()
-            assert returncode == 0, f"{name}:\n{(work / f'{name}.log').read_text()[-4000:]}"
-            result = json.loads((work / f"{name}.out.json").read_text())
+        for name, run in running.items():
+            result = finish_job(run, work / name, timeout=600)
             assert result["plugin_patched"] is (name != "alone")
             outputs[name] = result["outputs"][0]
     finally:
-        for _, process in running.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        for run in running.values():
+            stop_job(run)
     print(f"\nreferences: {time.monotonic() - start:.0f} s")
     return outputs
 

@@ -34,7 +34,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -42,12 +41,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEFAULT_DRAFTER, chat_prompts
+from _vllm_generate import finish_job, start_job, stop_job
+from conftest import chat_prompts
 from vllm_redrafter.demo import metric_totals
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 1024
 SPEC = {"beam_width": 2, "beam_length": 3, "num_speculative_tokens": 8}  # + method, model
 SHUTDOWN_TIMEOUT = 60  # s vLLM drains in-flight requests for at shutdown
@@ -111,29 +110,15 @@ def alone_job(target_dir, prompts, long_prompts, tmp_path_factory):
                         for k in long_prompts]},
         ],
     }
-    (work / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ""}
-    log = (work / "run.log").open("w")
-    run = subprocess.Popen([sys.executable, str(REPO / "tests" / "_vllm_generate.py"),
-                            str(work / "job.json"), str(work / "out.json")],
-                           stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    run = start_job(job, work, {"VLLM_PLUGINS": ""}, new_session=True)
     yield run, work
-    if run.poll() is None:
-        os.killpg(run.pid, signal.SIGKILL)
-        run.wait()
+    stop_job(run)
 
 
 @pytest.fixture(scope="module")
 def alone(alone_job, server) -> dict[str, list[list[int]]]:
     """vLLM alone, greedy: "prompts" (MAX_TOKENS each), "long" (k tokens for the k-th prompt)."""
-    run, work = alone_job
-    try:
-        returncode = run.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.pid, signal.SIGKILL)
-        raise
-    assert returncode == 0, f"vLLM alone failed:\n{(work / 'run.log').read_text()[-4000:]}"
-    out = json.loads((work / "out.json").read_text())
+    out = finish_job(*alone_job, timeout=900)
     assert out["plugin_patched"] is False  # VLLM_PLUGINS="" kept the plugin out
     return {"prompts": out["outputs"][0], "long": out["outputs"][1]}
 

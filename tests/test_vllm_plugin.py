@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _vllm_generate import JOB_MARK, sampling_params
+from _vllm_generate import finish_job, sampling_params, start_job, stop_job
 from conftest import DEFAULT_DRAFTER, chat_prompts
 from vllm_redrafter.drafter import DrafterConfig, RecurrentDrafter
 
@@ -124,16 +122,15 @@ def engine_runs(target_dir, drafter_dir, prompts, eval_prompts, exact_prompt, ex
     # the second process imports vLLM beside the first one's import, then waits for its turn:
     # the engines never share the cores (their timing would not matter, their speed would)
     go = work / "go"
-    second = start_in_subprocess({"jobs": loaded, "wait_for": str(go)}, work / "loaded")
+    second = start_job({"jobs": loaded, "wait_for": str(go)}, work / "loaded")
     try:
         results = generate_in_subprocess({"jobs": alone}, work / "alone", {"VLLM_PLUGINS": ""},
                                          timeout=2700)
     except BaseException:  # the module's tests fail: its engines would run for nothing
-        second.kill()
-        second.wait()
+        stop_job(second)
         raise
     go.touch()
-    results.update(finish_subprocess(second, work / "loaded", timeout=2700))
+    results.update(finish_job(second, work / "loaded", timeout=2700))
     results["chunked_prefill"]["steps"] = work / "steps.jsonl"
     print("\nthe subprocesses' engines:",
           {name: f"{run['seconds']:.0f} s" for name, run in results.items()})
@@ -145,43 +142,10 @@ def engine_runs(target_dir, drafter_dir, prompts, eval_prompts, exact_prompt, ex
 ALONE_RUNS = {"mixed_greedy": 3, "mixed_sampled": 4, "long_continued": 5, "eval": 6}
 
 
-def start_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None
-                        ) -> subprocess.Popen:
-    """``tests/_vllm_generate.py`` on ``job`` in a fresh process (plugin allowed unless ``env``
-    sets VLLM_PLUGINS), its log to ``work / "log.txt"``: :func:`finish_subprocess` reads it."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "job.json").write_text(json.dumps(job))
-    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    full_env.pop("VLLM_PLUGINS", None)
-    with (work / "log.txt").open("w") as log:
-        return subprocess.Popen([sys.executable, str(REPO / "tests" / "_vllm_generate.py"),
-                                 str(work / "job.json"), str(work / "out.json")],
-                                env={**full_env, **(env or {})}, stdout=log,
-                                stderr=subprocess.STDOUT)
-
-
-def finish_subprocess(run: subprocess.Popen, work: Path, timeout: float = 900) -> dict:
-    """The started run's output json, with its log under "log" (for several jobs: {name: its
-    output json with its part of the log}); killed if it outlives ``timeout`` seconds."""
-    try:
-        returncode = run.wait(timeout=timeout)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-    log = (work / "log.txt").read_text(errors="replace")
-    assert returncode == 0, f"{work.name} run failed:\n{log[-4000:]}"
-    out = json.loads((work / "out.json").read_text())
-    if "jobs" not in out:
-        return {**out, "log": log}
-    logs = dict(part.split("\n", 1) for part in log.split(JOB_MARK)[1:])
-    return {name: {**result, "log": logs[name]} for name, result in out["jobs"].items()}
-
-
 def generate_in_subprocess(job: dict, work: Path, env: dict[str, str] | None = None,
                            timeout: float = 900) -> dict:
-    """:func:`start_in_subprocess`, then :func:`finish_subprocess`."""
-    return finish_subprocess(start_in_subprocess(job, work, env), work, timeout)
+    """``_vllm_generate``'s :func:`start_job`, then :func:`finish_job`."""
+    return finish_job(start_job(job, work, env), work, timeout)
 
 
 @pytest.fixture(scope="module")
