@@ -597,3 +597,6 @@ def test_the_policy_says_why_a_request_s_candidates_were_taken_or_not():
     run(policy, CPU, SHIPPED, 3, 400, candidates=texts, tag="later")
     assert [p["why"] for p in policy.priced] == ["taken", "below_price", "below_floor"]
     assert [p["k"] > 0 for p in policy.priced] == [True, False, False]
+    policy.step(beam_policy.StepObservation(1e6, ("x",), kinds=("greedy",), texts=(
+        beam_policy.RequestText("x", [1, 2], ()),)))  # the lookup found nothing
+    assert [p["why"] for p in policy.priced] == ["none"]

@@ -563,10 +563,12 @@ class _Open:
     choice: Choice
 
 
-def _why(k: int, extra: float | None, floor: float) -> str:
-    """Why a request's candidates were taken or not (the step log's ``why``): ``taken``,
-    ``unscored`` (no expected gain yet), ``below_floor`` or ``below_price`` (no k's gain
-    exceeded its nodes' price); before ``candidate_share`` and the safety net."""
+def _why(found: int, k: int, extra: float | None, floor: float) -> str:
+    """Why a request's candidates were taken or not (the step log's ``why``): ``none`` found,
+    ``taken``, ``unscored`` (no expected gain yet), ``below_floor`` or ``below_price`` (no k's
+    gain exceeded its nodes' price); before ``candidate_share`` and the safety net."""
+    if not found:
+        return "none"
     if k:
         return "taken"
     if extra is None:
@@ -644,7 +646,8 @@ class BeamPolicy:
             stats.propose(self.calls, len(text.output), text.candidates)
             counts.append(best)
             self.priced.append(dict(first, found=len(text.candidates), price=price, k=best,
-                                    why=_why(best, first["extra"], self.config.candidate_floor)))
+                                    why=_why(len(text.candidates), best, first["extra"],
+                                             self.config.candidate_floor)))
         for gone in set(self.texts) - ids:  # finished (or, for now, not drafting) requests
             del self.texts[gone]
         if sum(c > 0 for c in counts) < self.config.candidate_share * n:  # a minority's gain
