@@ -85,8 +85,9 @@ def candidate_counts(rows: list[dict]) -> dict[str, int]:
             if not c.get("found"):
                 continue
             counts["found"] += 1
-            counts[c["why"]] += 1
-            if c["why"] == "taken" and used == 0:
+            why = c.get("why", "unrecorded")  # logs before 2026-11-29 have no why
+            counts[why] += 1
+            if why == "taken" and used == 0:
                 counts["share_rule"] += 1
     return dict(counts)
 
