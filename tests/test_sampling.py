@@ -132,6 +132,25 @@ def _full(params: dict) -> tuple:
     return tuple(full[name][0] for name in ("temperature", "top_k", "top_p", "min_p"))
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k_of_a_few_tokens_looks_at_those_only_and_keeps_the_full_sorts_rule(ties):
+    """Where every row's k is small, top-k then top-p run on the best k + 1 tokens
+    (``torch.topk``): the same logits as sorting the whole vocabulary, also where equal logits
+    straddle the k-th rank (rounded logits: many ties; such rows are sorted whole)."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 64, 50
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    if ties:
+        logits = logits.round()
+    top_k = torch.randint(1, 12, (rows, 1), generator=gen)
+    top_p = torch.tensor([[1.0], [0.9], [0.5], [0.05]]).repeat(rows // 4, 1)
+    for p in (None, top_p):
+        fast = sampling._apply_top_k_top_p(logits, top_k, p)
+        whole = sampling._kept_in_order(logits, *sampling._descending(logits), top_k, p)
+        assert torch.equal(fast, whole), (ties, p is None)
+    assert int(top_k.max()) <= sampling.FAST_TOP_K  # the fast path ran
+
+
 def test_top_p_is_applied_after_top_k_renormalisation():
     # probs 0.4, 0.3, 0.2, 0.1; top_k 2 -> 4/7, 3/7; top_p 0.5 then keeps only the first (4/7 >= 0.5).
     logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
