@@ -36,6 +36,8 @@ H100 = policy_sim.gpu_machine(json.loads((DATA / "gpu_kernels_h100.json").read_t
 H200 = policy_sim.gpu_machine(json.loads((DATA / "gpu_steps_h200.json").read_text())["rows"])
 SHIPPED = policy_sim.shipped_acceptance()
 """The shipped drafter's acceptance per width (policy_sim's docstring: its source)."""
+SHIPPED_CHAIN = (0.54, 0.31, 0.19, 0.13)
+"""The shipped drafter's held-out chain acceptance (its eval.json): the policy's prior."""
 
 
 def test_doctests():
@@ -229,18 +231,46 @@ def test_only_decode_steps_of_an_unchanged_batch_are_timed():
 
 
 def test_a_shape_must_beat_a_plain_step_by_the_margin_and_plain_steps_recur():
-    """Drafted steps cost 1.1x a plain one and emit 1.3 tokens: 18% better, taken with a 5% or
-    a 10% margin, not with a 20% one; one step in plain_every is plain."""
+    """Drafted steps cost 1.1x a plain one and emit 1.3 tokens: 18% better, taken with a 5%
+    margin, not with a 20% one; one step in plain_every is plain. Mean of 4 runs: at batch 1
+    the acceptance is counted on one tree a step, and a run of unlucky trees can rate the shape
+    below the margin for a while (1 run in 6 drafted 54% of its steps, the others 74-95%)."""
     acceptance = Acceptance({1: (0.3,), 2: (0.3,)})
     machine = Machine(lambda b, n: 0.010 * (1 + 0.1 * (n - b) / b), lambda b, w, l: 0.0)
     for batch in (1, 8):
         drafted = {}
         for gain in (1.05, 1.2):
-            log = run(BeamPolicy(2, 2, PolicyConfig(min_gain=gain)), machine, acceptance, batch,
-                      800)
-            drafted[gain] = sum(s.width > 0 for s in log[300:]) / 500
-        assert 0.9 < drafted[1.05] < 1 - 1 / 32 + 0.01, (batch, drafted)  # plain_every = 32
+            logs = [run(BeamPolicy(2, 2, PolicyConfig(min_gain=gain)), machine, acceptance,
+                        batch, 800, seed=seed)[300:] for seed in range(4)]
+            drafted[gain] = sum(s.width > 0 for log in logs for s in log) / 2000
+        assert 0.75 < drafted[1.05] < 1 - 1 / 32 + 0.01, (batch, drafted)  # plain_every = 32
         assert drafted[1.2] < 0.1, (batch, drafted)  # only exploring steps draft
+
+
+def test_a_drafted_steps_fixed_part_is_not_taken_for_a_cost_per_token(monkeypatch):
+    """A drafted step pays a fixed part a plain one does not (tree attention, KV moves; on the
+    EPYC at batch 1 W=1 L=2 took 153 ms against plain's 104 and W=1 L=3's 157): here 30% of a
+    plain step on the CPU table. Priced by their own line, drafted shapes reach >= 0.95x the
+    best fixed shape at batch 1 (mean of 3 runs); priced by one line through plain and drafted
+    steps (the control), the fixed part reads as a steep cost per token, longer shapes look
+    dear, and the policy stays below 0.92x of it, mostly plain."""
+    machine = Machine(lambda b, n: CPU.verify(b, n) + (0.3 * CPU.verify(b, b) if n > b else 0.0),
+                      CPU.draft)
+    plain = plain_rate(machine, SHIPPED, 1)
+    best = max(rate(run(s, machine, SHIPPED, 1, 300)) for s in ((1, 3), (2, 3), (4, 3), (4, 4)))
+
+    def mean_rate() -> float:
+        logs = [run(BeamPolicy(4, 4, acceptance_prior=SHIPPED_CHAIN), machine, SHIPPED, 1, 1500,
+                    seed=seed)[300:] for seed in range(3)]
+        return sum(rate(log) for log in logs) / len(logs)
+
+    ours = mean_rate()
+    monkeypatch.setattr(beam_policy.Bucket, "seconds", lambda self, n, drafted: self.cost(n))
+    one_line = mean_rate()
+    print(f"\nbatch 1, drafted steps +30%: best fixed {best / plain:.3f}x plain, policy "
+          f"{ours / plain:.3f}, with one line {one_line / plain:.3f}")
+    assert ours >= 0.95 * best
+    assert one_line < 0.92 * best
 
 
 def test_greedy_and_sampled_requests_are_judged_by_their_own_acceptance():

@@ -7,7 +7,8 @@ goes in (:class:`StepObservation`), the shape for the step that starts comes out
 
 Per batch-size bucket (1, 2, 3-4, 5-8, ...) a step costs ``alpha + beta * n`` seconds, n the
 tokens it verifies (each drafting request's packed tree, each other request's one), fitted by
-decayed least squares on timed decode steps, plus the drafting, timed per shape. It emits
+decayed least squares on timed decode steps, plain and drafted ones apart (a drafted step pays a
+fixed part a plain one does not), plus the drafting, timed per shape. It emits
 ``B * tokens(W, L) + others`` tokens, ``tokens`` from the acceptance counted on verified trees
 (greedy: seeded with the drafter's own held-out chain figures, a prior that fades).
 A bucket starts plain (batch 1: with a one-token chain) and earns wider and longer shapes one
@@ -117,6 +118,14 @@ class PolicyConfig:
     judgements in simulation). A guarded bucket still drafts its 3 steps after each judgement
     and its exploring steps (1 in ``explore_every``): ~45% fresh weight per judgement, so
     drafting resumes within a few judgements of the machine or the text turning back."""
+    drafted_spread: float = 0.25
+    """A bucket prices drafted steps by their own line (:meth:`Bucket.seconds`) once their
+    verified token counts vary by this much (a variance: two shapes measured); before, at what
+    its drafted steps cost, whatever their n. A drafted step pays a fixed part a plain one does
+    not (the tree's attention, its KV moves: the EPYC, 2026-11-29, batch 1: W=1 L=2 153 ms, W=1
+    L=3 157, plain 104); one line through plain and drafted steps takes it for a per-token cost,
+    prices short shapes too low and long ones too high, and no shape paid (simulated: 1.05x
+    plain at batch 1 where the best fixed shape gave 1.20x)."""
     prior_weight: float = 2.0
     """Steps' worth of weight a step-cost curve (``vllm-redrafter step-cost``) gives a bucket's
     fit before it is measured: a prior, soon outweighed by the bucket's own steps."""
@@ -210,10 +219,16 @@ class Line:
         self.w = self.x = self.xx = self.y = self.xy = 0.0
 
     def add(self, x: float, y: float, weight: float = 1.0) -> None:
+        self.fade()
+        self.w, self.x = self.w + weight, self.x + weight * x
+        self.y, self.xx = self.y + weight * y, self.xx + weight * x * x
+        self.xy = self.xy + weight * x * y
+
+    def fade(self) -> None:
+        """What has been seen loses weight, as if a point were added elsewhere."""
         d = self.decay
-        self.w, self.x = d * self.w + weight, d * self.x + weight * x
-        self.y, self.xx = d * self.y + weight * y, d * self.xx + weight * x * x
-        self.xy = d * self.xy + weight * x * y
+        self.w, self.x, self.y, self.xx, self.xy = (d * v for v in (self.w, self.x, self.y,
+                                                                     self.xx, self.xy))
 
     def fit(self) -> tuple[float, float] | None:
         if self.w <= 0:
@@ -228,6 +243,10 @@ class Line:
     def __call__(self, x: float) -> float | None:
         ab = self.fit()
         return None if ab is None else ab[0] + ab[1] * x
+
+    def variance(self) -> float:
+        """The weighted variance of the x seen (0 before any)."""
+        return max(0.0, self.xx / self.w - (self.x / self.w) ** 2) if self.w > 0 else 0.0
 
 
 class AcceptanceStats:
@@ -515,6 +534,29 @@ class Bucket:
     delivered: dict[bool, Delivered] = field(default_factory=dict)  # drafting (True) or plain
     # (False) -> what its steps delivered; both made by BeamPolicy._bucket
     guarded: bool = False  # the safety net holds this bucket plain (PolicyConfig.guard_every)
+    sides: dict[bool, Line] = field(default_factory=dict)  # drafted (True) or plain (False) ->
+    # the cost of that side's timed steps alone; made by BeamPolicy._bucket
+    spread: float = 0.25  # PolicyConfig.drafted_spread
+
+    def seconds(self, n: float, drafted: bool) -> float:
+        """Seconds of a step verifying n tokens, drafting not included: by that side's own
+        line where it tells (plain: once timed; drafted: once its token counts vary by
+        ``spread``); drafted steps of one size only: what they cost, at any n (measuring
+        another size tells the slope); before any step of the side, the line through every
+        timed step (``cost``)."""
+        own = self.sides.get(drafted)
+        if own is None or own.w <= 0:
+            return self.cost(n)
+        if drafted and own.variance() < self.spread:
+            return own.y / own.w
+        return own(n)
+
+    def beta(self) -> float:
+        """Seconds per verified token: the drafted steps' slope where their line tells."""
+        own = self.sides.get(True)
+        fit = (own if own is not None and own.w > 0 and own.variance() >= self.spread
+               else self.cost).fit()
+        return fit[1] if fit else 0.0
 
     def drafting(self, width: int, length: int) -> float:
         """Seconds of drafting (W, L) here; not drafted yet: the dearest drafted shape it
@@ -620,11 +662,11 @@ class BeamPolicy:
         the step's tokens/s: adding nodes that cost dS seconds and bring dT tokens raises the
         step's tokens/s T / S only if dT / dS > T / S."""
         n = len(obs.kinds) + obs.others
-        fit = self._bucket(max(n, 1)).cost.fit()
+        b = self._bucket(max(n, 1))
         rate = choice.tokens_per_second or choice.plain_tokens_per_second
-        if not rate and fit is not None:
-            rate = n / max(fit[0] + fit[1] * n, 1e-9)
-        price = self.config.min_gain * (fit[1] if fit else 0.0) * rate
+        if not rate and b.cost.w > 0:
+            rate = n / max(b.seconds(n, False), 1e-9)
+        price = self.config.min_gain * b.beta() * rate
         counts, ids, self.priced = [], set(), []
         for text in obs.texts:
             ids.add(text.req_id)
@@ -711,8 +753,11 @@ class BeamPolicy:
         if shape in b.last:
             seconds = min(max(seconds, b.last[shape] / cfg.clip), b.last[shape] * cfg.clip)
         b.last[shape] = seconds
-        b.cost.add(len(ids) - len(obs.verified)
-                   + sum(t.packed + t.candidate_nodes for t in obs.verified), seconds)
+        n = len(ids) - len(obs.verified) + sum(t.packed + t.candidate_nodes for t in obs.verified)
+        b.cost.add(n, seconds)
+        b.sides[bool(obs.verified)].add(n, seconds)
+        b.sides[not obs.verified].fade()  # both sides fade per timed step: a side seldom taken
+        # (drafting while the machine was slow) is judged by its latest steps when taken again
         b.timed.add(shape)
 
     def _choose(self, obs: StepObservation) -> Choice:
@@ -732,7 +777,7 @@ class BeamPolicy:
             return self._take(b, PLAIN, 0.0, 0.0, "unmeasured")
         if PLAIN not in b.timed:  # a plain step to set the drafted ones against
             return self._take(b, PLAIN, 0.0, 0.0, "plain-refresh")
-        plain = n / max(b.cost(n), 1e-9)
+        plain = n / max(b.seconds(n, False), 1e-9)
         values, hopes = self._values(b, smaller, obs, plain)
         best = max(values, key=values.get)
         pays = values[best] > cfg.min_gain * plain
@@ -768,7 +813,8 @@ class BeamPolicy:
                              for k, s in share.items())
                 if packed - 1 > obs.max_nodes:
                     continue
-                seconds = max(b.cost(drafters * packed + others) + b.drafting(width, length), 1e-9)
+                seconds = max(b.seconds(drafters * packed + others, True)
+                              + b.drafting(width, length), 1e-9)
                 for out, hopeful in ((values, False), (hopes, True)):
                     out[(width, length)] = (others + drafters * sum(
                         s * self.acceptance[k].tokens_per_step(width, length, hopeful)
@@ -805,6 +851,8 @@ class BeamPolicy:
         if key not in self.buckets:
             self.buckets[key] = b = Bucket(Line(self.config.cost_decay))
             b.delivered = {side: Delivered(decay=self.config.guard_decay) for side in (True, False)}
+            b.sides = {side: Line(self.config.cost_decay) for side in (True, False)}
+            b.spread = self.config.drafted_spread
             if self.prior is not None:  # pseudo-steps: a plain one and one of the widest trees
                 widest = key * (1 + self.max_width * (self.max_length - 1))
                 for tokens in (key, widest):
