@@ -144,10 +144,13 @@ def test_top_k_of_a_few_tokens_looks_at_those_only_and_keeps_the_full_sorts_rule
         logits = logits.round()
     top_k = torch.randint(1, 12, (rows, 1), generator=gen)
     top_p = torch.tensor([[1.0], [0.9], [0.5], [0.05]]).repeat(rows // 4, 1)
-    for p in (None, top_p):
-        fast = sampling._apply_top_k_top_p(logits, top_k, p)
-        whole = sampling._kept_in_order(logits, *sampling._descending(logits), top_k, p)
-        assert torch.equal(fast, whole), (ties, p is None)
+    mixed = top_k.masked_fill(torch.arange(rows)[:, None] % 3 == 0, 0)  # a third: top-k off
+    for k in (top_k, mixed):
+        for p in (None, top_p):
+            fast = sampling._apply_top_k_top_p(logits, k, p)
+            off = torch.where(k <= 0, vocab, k)
+            whole = sampling._kept_in_order(logits, *sampling._descending(logits), off, p)
+            assert torch.equal(fast, whole), (ties, k is mixed, p is None)
     assert int(top_k.max()) <= sampling.FAST_TOP_K  # the fast path ran
 
 

@@ -183,12 +183,19 @@ def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
     ascending cumulative mass up to it is <= 1 - top_p, which is the same set).
     """
     vocab = logits.shape[-1]
-    k = None
-    if top_k is not None:
-        k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)  # off -> keep all
-        if int(k.max()) <= min(FAST_TOP_K, vocab - 1):
-            return _top_k_first(logits, k, top_p)
-    return _kept_in_order(logits, *_descending(logits), k, top_p)
+    if top_k is None:
+        return _kept_in_order(logits, *_descending(logits), None, top_p)
+    k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)  # off -> keep all
+    few = (k <= min(FAST_TOP_K, vocab - 1)).squeeze(-1)  # [R]: rows with a small top-k
+    if bool(few.all()):
+        return _top_k_first(logits, k, top_p)
+    if not bool(few.any()):
+        return logits if top_p is None else _kept_in_order(logits, *_descending(logits), k, top_p)
+    out = torch.empty_like(logits)  # a mixed batch: each kind of row its own way
+    for rows in (few, ~few):
+        out[rows] = _apply_top_k_top_p(logits[rows], top_k[rows],
+                                       None if top_p is None else top_p[rows])
+    return out
 
 
 def _descending(logits: Tensor) -> tuple[Tensor, Tensor]:
