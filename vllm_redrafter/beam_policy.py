@@ -547,16 +547,19 @@ class Bucket:
         own = self.sides.get(drafted)
         if own is None or own.w <= 0:
             return self.cost(n)
-        if drafted and own.variance() < self.spread:
+        if drafted and not self._drafted_line_tells():
             return own.y / own.w
         return own(n)
 
     def beta(self) -> float:
         """Seconds per verified token: the drafted steps' slope where their line tells."""
-        own = self.sides.get(True)
-        fit = (own if own is not None and own.w > 0 and own.variance() >= self.spread
-               else self.cost).fit()
+        fit = (self.sides[True] if self._drafted_line_tells() else self.cost).fit()
         return fit[1] if fit else 0.0
+
+    def _drafted_line_tells(self) -> bool:
+        """Whether the drafted steps' token counts vary enough (``spread``) for their slope."""
+        own = self.sides.get(True)
+        return own is not None and own.w > 0 and own.variance() >= self.spread
 
     def drafting(self, width: int, length: int) -> float:
         """Seconds of drafting (W, L) here; not drafted yet: the dearest drafted shape it

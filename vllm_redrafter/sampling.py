@@ -184,13 +184,13 @@ def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
     """
     vocab = logits.shape[-1]
     if top_k is None:
-        return _kept_in_order(logits, *_descending(logits), None, top_p)
+        return _sorted_whole(logits, None, top_p)
     k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)  # off -> keep all
     few = (k <= min(FAST_TOP_K, vocab - 1)).squeeze(-1)  # [R]: rows with a small top-k
     if bool(few.all()):
         return _top_k_first(logits, k, top_p)
     if not bool(few.any()):
-        return logits if top_p is None else _kept_in_order(logits, *_descending(logits), k, top_p)
+        return logits if top_p is None else _sorted_whole(logits, k, top_p)
     out = torch.empty_like(logits)  # a mixed batch: each kind of row its own way
     for rows in (few, ~few):
         out[rows] = _apply_top_k_top_p(logits[rows], top_k[rows],
@@ -201,6 +201,11 @@ def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | Non
 def _descending(logits: Tensor) -> tuple[Tensor, Tensor]:
     """The whole rows sorted, descending, ties by lower token id: values and token ids."""
     return logits.sort(dim=-1, descending=True, stable=True)
+
+
+def _sorted_whole(logits: Tensor, k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """:func:`_kept_in_order` on the whole rows, sorted."""
+    return _kept_in_order(logits, *_descending(logits), k, top_p)
 
 
 def _top_k_first(logits: Tensor, k: Tensor, top_p: Tensor | None) -> Tensor:
@@ -217,7 +222,7 @@ def _top_k_first(logits: Tensor, k: Tensor, top_p: Tensor | None) -> Tensor:
     if bool(tied.any()):
         rows = tied.nonzero().squeeze(-1)
         sub_p = None if top_p is None else top_p[rows]
-        out[rows] = _kept_in_order(logits[rows], *_descending(logits[rows]), k[rows], sub_p)
+        out[rows] = _sorted_whole(logits[rows], k[rows], sub_p)
     return out
 
 
