@@ -1,7 +1,8 @@
 """Realized tokens/s per batch size and beam shape, from a server's ReDrafter step log.
 
 Serve with ``VLLM_REDRAFTER_STEP_LOG=FILE`` (one JSON line per engine step, written by the
-proposer) and run a load; then ``python benchmarks/step_log.py FILE``. A step is the time from
+proposer) and run a load; then ``python benchmarks/step_log.py FILE``. Several engines may
+write one file (``peers.py`` at batch 1): each is summed apart, by its process id. A step is the time from
 one line to the next; its batch and the tokens it emitted are in the next line. Decode steps (no
 request joined, none prefilling) are grouped by batch size and the shape the policy chose; each
 group shows the realized tokens/s and its ratio to plain decode steps of the same batch size, beside
@@ -118,11 +119,23 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     lines = [json.loads(line) for line in args.log.read_text().splitlines() if line.strip()]
-    s = summary(steps(lines), args.min_batch)
-    shown = dict(s, cells=[c for c in s["cells"] if c["steps"] >= args.min_steps])
-    print_summary(shown)
+    out = {}
+    for pid, own in engines(lines).items():
+        out[pid] = s = summary(steps(own), args.min_batch)
+        policy = "auto" if any(line.get("reason") for line in own) else "fixed"
+        print(f"engine {pid} (beam policy {policy}, {len(own)} steps)")
+        print_summary(dict(s, cells=[c for c in s["cells"] if c["steps"] >= args.min_steps]))
     if args.json:
-        args.json.write_text(json.dumps(portable(s), indent=1))
+        args.json.write_text(json.dumps(portable(out), indent=1))
+
+
+def engines(lines: list[dict]) -> dict[str, list[dict]]:
+    """The log's lines per engine (the engine core's process id; logs before 2026-11-30 have
+    none: one engine)."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for line in lines:
+        out[str(line.get("pid", "?"))].append(line)
+    return dict(out)
 
 
 if __name__ == "__main__":

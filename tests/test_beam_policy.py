@@ -11,21 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from vllm_redrafter import beam_policy, policy_sim
+from vllm_redrafter import acceptance, beam_policy, candidate_scores, policy_sim, step_cost_curve
+from vllm_redrafter.acceptance import AcceptanceStats, candidate_widths
 from vllm_redrafter.beam_policy import (
-    AcceptanceStats,
-    BatchStepCost,
     BeamPolicy,
     Line,
     PolicyConfig,
-    StepCost,
     StepObservation,
     VerifiedTree,
     acceptance_kind,
     bucket,
-    candidate_widths,
-    load_step_cost,
 )
+from vllm_redrafter.step_cost_curve import BatchStepCost, StepCost, load_step_cost
 from vllm_redrafter.demo import DEFAULT_DRAFTER
 from vllm_redrafter.drafter import held_out_chain_acceptance
 from vllm_redrafter.policy_sim import Acceptance, Machine, median_time_per_token, rate, run
@@ -41,7 +38,8 @@ SHIPPED_CHAIN = (0.54, 0.31, 0.19, 0.13)
 
 
 def test_doctests():
-    assert doctest.testmod(beam_policy).failed == 0
+    for module in (beam_policy, acceptance, candidate_scores, step_cost_curve):
+        assert doctest.testmod(module).failed == 0
 
 
 # -- the parts -----------------------------------------------------------------------------------
@@ -330,11 +328,11 @@ def test_step_cost_round_trips(tmp_path):
 def test_step_cost_cache_is_per_cpu_isa_and_thread_count(monkeypatch):
     paths = set()
     for isa in ("avx2", "avx512_bf16"):
-        monkeypatch.setattr(beam_policy, "cpu_isa", lambda isa=isa: isa)
+        monkeypatch.setattr(step_cost_curve, "cpu_isa", lambda isa=isa: isa)
         for threads in (1, 2):
-            paths.add(beam_policy.step_cost_path("model", "torch.float32", "cpu", threads))
+            paths.add(step_cost_curve.step_cost_path("model", "torch.float32", "cpu", threads))
     assert len(paths) == 4
-    gpu = {beam_policy.step_cost_path("model", "torch.bfloat16", "NVIDIA H100", t) for t in (1, 8)}
+    gpu = {step_cost_curve.step_cost_path("model", "torch.bfloat16", "NVIDIA H100", t) for t in (1, 8)}
     assert len(gpu) == 1  # on a GPU the host's threads do not set the step's cost
 
 
@@ -506,13 +504,18 @@ def test_step_log_summarizes_what_the_policy_chose():
     lines[1]["used"] = [0, 0, 0]  # the step's rules left the taken one out
     assert step_log.summary(step_log.steps(lines))["candidates"] == {
         "found": 4, "unscored": 1, "taken": 2, "below_price": 1, "share_rule": 1}
+    other = [dict(line, pid=2, t=line["t"] + 0.05) for line in lines]  # a second engine
+    mixed = sorted([dict(line, pid=1) for line in lines] + other, key=lambda line: line["t"])
+    split = step_log.engines(mixed)
+    assert sorted(split) == ["1", "2"] and split["2"] == other
+    assert step_log.summary(step_log.steps(split["1"]))["reasons"] == s["reasons"]
 
 
 # -- context candidates ------------------------------------------------------------------------------
 
 
 def test_candidates_are_scored_in_the_shadow_beyond_the_drafters_acceptance():
-    stats = beam_policy.CandidateStats(2, decay=1.0)
+    stats = candidate_scores.CandidateStats(2, decay=1.0)
     output = [9]
     stats.observe(1, output, 0)
     stats.propose(1, len(output), ((4, 5, 6), (7, 8, 1)))
@@ -533,13 +536,13 @@ def test_candidates_are_scored_in_the_shadow_beyond_the_drafters_acceptance():
     stats.propose(5, len(output), ((1,),))  # proposed at call 5, but call 6 never came:
     stats.observe(7, output + [1], 0)  # its drafter's acceptance is unknown, it is dropped
     assert stats.pending == [] and stats.scores.weight == 2.0
-    assert beam_policy.trie_nodes([(1, 2), (1, 3), (1, 2, 4)]) == 4
+    assert candidate_scores.trie_nodes([(1, 2), (1, 3), (1, 2, 4)]) == 4
 
 
 def test_a_candidate_that_copies_right_counts_before_it_is_decided():
     """A candidate matching every token emitted since counts at that lower bound: a copying
     request is not rated by its misses alone (they are decided first)."""
-    stats = beam_policy.CandidateStats(1, decay=1.0)
+    stats = candidate_scores.CandidateStats(1, decay=1.0)
     stats.propose(1, 1, ((1, 2, 3, 4, 5),))  # copies right; plain steps emit one token each
     stats.observe(2, [9, 1], 0)
     stats.propose(2, 2, ((8,),))  # a miss
@@ -549,14 +552,14 @@ def test_a_candidate_that_copies_right_counts_before_it_is_decided():
 
 
 def test_a_new_request_is_rated_like_the_requests_before_it():
-    pool = beam_policy.CandidateScores(decay=1.0)
-    first = beam_policy.CandidateStats(1, 1.0, pool, prior=1.0)
+    pool = candidate_scores.CandidateScores(decay=1.0)
+    first = candidate_scores.CandidateStats(1, 1.0, pool, prior=1.0)
     first.propose(1, 1, ((4, 5),))
     first.observe(2, [9, 4, 5, 6], 0)  # matched both: 2 beyond the drafter's 0
     assert pool.mean(0) == 2.0
-    second = beam_policy.CandidateStats(1, 1.0, pool, prior=1.0)
+    second = candidate_scores.CandidateStats(1, 1.0, pool, prior=1.0)
     assert second.expected_extra(1) == 2.0  # nothing of its own yet: the pool's
-    assert beam_policy.CandidateStats(1, 1.0).expected_extra(1) is None  # control: no pool
+    assert candidate_scores.CandidateStats(1, 1.0).expected_extra(1) is None  # control: no pool
     second.propose(1, 1, ((7,),))
     second.observe(2, [9, 8], 0)  # a miss; the pool's mean falls to (2 + 0) / 2
     assert second.expected_extra(1) == 0.5  # (0 + 1 x 1.0) / (1 + 1)

@@ -22,7 +22,7 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_isa() -> str:
     """The widest matrix/vector ISA this CPU reports (``amx_bf16``, ``avx512_bf16``, ``avx512f``,
-    ``avx2``), or "". Each is a different step-cost curve (beam_policy.step_cost_path)."""
+    ``avx2``), or "". Each is a different step-cost curve (step_cost_curve.step_cost_path)."""
     flags = cpu_flags()
     return next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
 

@@ -8,7 +8,7 @@ get T new tokens each and ``max_tokens=1``: one engine step (queued first, then 
 does. The fastest of ``--repeats`` runs (fresh suffixes each time, after one untimed run) per
 cell is printed as a table of ratios to the (B, T=1) step. The curve (per batch size, seconds by
 total query tokens, each made monotone) is cached where the ReDrafter proposer looks for it
-(:func:`~vllm_redrafter.beam_policy.step_cost_path`: per model, dtype, machine, CPU ISA and the
+(:func:`~vllm_redrafter.step_cost_curve.step_cost_path`: per model, dtype, machine, CPU ISA and the
 worker's thread count), and written to ``--out`` with a PNG plot beside it; an engine can also
 be given it as ``speculative_config["step_cost"]``. Measure with the environment the server
 will have: ``VLLM_CPU_NUM_OF_RESERVED_CPU=0 vllm-redrafter step-cost`` for a server started
@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     from vllm import LLM
 
-    from vllm_redrafter.beam_policy import StepCost, step_cost_path
+    from vllm_redrafter.step_cost_curve import StepCost, step_cost_path
 
     if args.model is None:
         from vllm_redrafter.target import prepare_target

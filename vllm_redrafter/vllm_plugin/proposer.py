@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,8 +57,6 @@ from vllm_redrafter.beam_policy import (
     StepObservation,
     VerifiedTree,
     acceptance_kind,
-    load_step_cost,
-    step_cost_path,
 )
 from vllm_redrafter.beam_search import BeamSearchOutput, beam_search
 from vllm_redrafter.context_candidates import (
@@ -66,6 +65,7 @@ from vllm_redrafter.context_candidates import (
     merge_candidates,
 )
 from vllm_redrafter.drafter import RecurrentDrafter, held_out_chain_acceptance
+from vllm_redrafter.step_cost_curve import load_step_cost, step_cost_path
 from vllm_redrafter.tree import build_tree, truncate_tree
 from vllm_redrafter.vllm_plugin.config import (
     ReDrafterConfigError,
@@ -515,7 +515,8 @@ class ReDrafterProposer:
                   requests: Sequence[Any], drafts: list[list[int]]) -> None:
         """Debug: one JSON line per step (``VLLM_REDRAFTER_STEP_LOG``, module doc)."""
         assert self.step_log is not None
-        record: dict[str, Any] = {"t": now, "ids": [r.req_id for r in requests],
+        record: dict[str, Any] = {"t": now, "pid": os.getpid(),  # one file, several engines
+                                  "ids": [r.req_id for r in requests],
                                   "emitted": [len(t) for t in sampled_token_ids],
                                   "drafted": sum(bool(d) for d in drafts),
                                   "nodes": sum(len(d) for d in drafts),
