@@ -66,9 +66,6 @@ class PolicyConfig:
     """A timed shape earns its neighbours (W, L+1) and (2W, L) when its expected tokens/s is at
     least this x a plain step's; an exploring step takes a shape hoped at least this x the best
     choice: shapes are tried only next to, and close to, what was measured."""
-    plain_every: int = 32
-    """While drafting pays, one step in this many of a bucket is plain: the cost fit needs plain
-    steps to tell the fixed part (alpha) from the per-token part (beta)."""
     cost_decay: float = 0.95
     """Per timed step of a bucket, the weight kept by older steps in the cost fit: a change of
     the machine's speed is 90% reflected after 32 timed steps of that bucket (0.95^32 < 0.2)."""
@@ -444,7 +441,7 @@ class BeamPolicy:
                          and drafting + b.delivered[True].error() < cfg.min_gain * plain)
         if b.guarded and not 0 < phase <= cfg.guard_block:
             reason = "guard"
-        elif not b.guarded and phase > cfg.guard_every - cfg.guard_block:
+        elif not b.guarded and phase >= cfg.guard_every - cfg.guard_block:  # the last before
             reason = "guard-plain"
         else:
             return choice
@@ -467,6 +464,7 @@ class BeamPolicy:
         for kind, stats in self.acceptance.items():  # the drafter's trees: its own acceptance
             stats.observe([t for t in obs.verified if t.kind == kind and t.width])
         last, ids, cfg = self._open, set(obs.request_ids), self.config
+        after_draft = self._drafted
         self._deliver(obs, last)
         if last is None or not last.ids:
             return
@@ -477,9 +475,11 @@ class BeamPolicy:
         if shape[0] and obs.draft_seconds > 0:
             b.draft[shape] = _moving_mean(b.draft.get(shape), obs.draft_seconds, cfg.draft_decay,
                                           cfg.clip)
-        # Timed: decode steps only (nobody joined, no prefill work), of the shape chosen
+        # Timed: decode steps only (nobody joined, no prefill work), of the shape chosen; not a
+        # plain step right after a drafted one (it pays that step's KV moves)
         drafted = any(t.width for t in obs.verified)
-        if not ids or obs.prefilling or not ids <= last.ids or bool(shape[0]) != drafted:
+        if (not ids or obs.prefilling or not ids <= last.ids or bool(shape[0]) != drafted
+                or (after_draft and not obs.verified)):
             return
         seconds = obs.now - last.now - obs.draft_seconds
         if shape in b.last:
@@ -520,8 +520,6 @@ class BeamPolicy:
             if near or not pays:
                 pick = max(near, key=hopes.get) if near else best
                 return self._take(b, pick, values[pick], plain, "explore")
-        if pays and b.steps + 1 - b.taken.get(PLAIN, 0) >= cfg.plain_every:
-            return self._take(b, PLAIN, plain, plain, "plain-refresh")
         if pays:
             return self._take(b, best, values[best], plain, "best")
         return self._take(b, PLAIN, plain, plain, "no-shape-pays")
