@@ -37,7 +37,9 @@ translation, summarization, qa, math, rag, code_edit). Per set, the first ``--nu
 questions, taking the categories in turn (MT-Bench's eight), first turn, chat template, greedy.
 
 Batch 1 (always): in each repeat, every arm's engine is started anew. The start order is reversed
-every other repeat: the later-started engine runs faster (see ``qps_sweep.start_order``). Each
+every other repeat and rotated every second one: the later-started engine runs faster (see
+``qps_sweep.start_order``; use an even number of repeats, a multiple of 2 x the arms to put
+every arm at every position). Each
 engine is warmed up with a training request. Then every prompt is answered by every engine, one
 request at a time. The engine order rotates per prompt and reverses per repeat. Per set and
 category: tokens/s of each arm, speedup over vLLM alone (pooled and per repeat), tokens per
@@ -50,8 +52,8 @@ repeat's end. Rows per set: every arm's figures without and with the hog (the be
 from a cold start in the first pass and must adapt in the second).
 
 Serving (``--serving``): ``benchmarks/qps_sweep.py``'s servers and ``vllm bench serve``, one
-server per arm, side by side. In each repeat the servers start anew in alternating order and are
-warmed up with training requests. Then per set and concurrency (``--concurrency``), every
+server per arm, side by side. In each repeat the servers start anew (``qps_sweep.start_order``)
+and are warmed up with training requests. Then per set and concurrency (``--concurrency``), every
 server gets the set's questions, ``--prompts-per-level`` x C of them, at most the set's size.
 The server order rotates per load and reverses per repeat. Per set and load: output throughput
 and median TPOT of each arm over vLLM alone, tokens per step, and outputs identical to vLLM

@@ -138,15 +138,20 @@ def drafted_fraction(delta: dict[str, float]) -> float | None:
 
 
 def start_order(names: list[str], repeat: int) -> list[str]:
-    """The servers' start order in one repeat: reversed every other repeat.
+    """The servers' start order in one repeat: rotated by one every second repeat, reversed
+    every other repeat.
 
-    Identical engines side by side on a CPU differ by a few percent for their whole life, the
-    later-started one faster (measured: 1.04x between two vLLM-alone engines in one script, about
-    1.06x between servers here; vLLM binds and configures both alike, the cause lies outside it
-    and is not found), so the servers start anew each repeat, in alternating order, and an even
-    number of repeats cancels the start-order part.
+    Identical engines side by side on a CPU differ for their whole life, the later-started one
+    faster (measured: 1.04x between two vLLM-alone engines in one script, about 1.06x between
+    servers; three in one script on the 2-core Xeon, 2026-11-30: 10.1 / 10.7 / 11.2 tokens/s in
+    start order; vLLM binds and configures them alike, the cause lies outside it and is not
+    found), so the servers start anew each repeat. Each pair of repeats reverses the order, so
+    every server's positions add up alike (a linear start-order part cancels); the rotation puts
+    each server at each end in turn (with three, the middle one would never start first or last).
     """
-    return names[::-1] if repeat % 2 else list(names)
+    shift = (repeat // 2) % max(1, len(names))
+    order = names[shift:] + names[:shift]
+    return order[::-1] if repeat % 2 else order
 
 
 @contextmanager

@@ -109,6 +109,12 @@ def test_qps_sweep_start_order_alternates_so_each_server_starts_last_as_often():
     orders = [qps.start_order(names, k) for k in range(4)]
     assert orders[0] == names and orders[1] == names[::-1]
     assert sorted(order[-1] for order in orders) == ["alone", "alone", "policy", "policy"]
+    three = ["alone", "fixed", "policy"]
+    orders = [qps.start_order(three, k) for k in range(6)]
+    assert all(sorted(o) == three for o in orders)
+    for name in three:  # each starts first and last twice in 6 repeats; positions add up alike
+        assert [o.index(name) for o in orders].count(0) == 2 == [o[-1] for o in orders].count(name)
+        assert sum(o.index(name) for o in orders[:4]) == 4  # every even number of repeats
 
 
 def test_qps_sweep_results_pair_each_arm_with_vllm_alone_of_the_same_repeat(tmp_path):
