@@ -7,8 +7,8 @@ goes in (:class:`StepObservation`), the shape for the step that starts comes out
 
 Per batch-size bucket (1, 2, 3-4, 5-8, ...) a step costs ``alpha + beta * n`` seconds, n the
 tokens it verifies (each drafting request's packed tree, each other request's one), fitted by
-decayed least squares on timed decode steps, plain steps, chains and trees apart (:data:`SIDES`),
-plus the drafting, timed per shape. It emits
+decayed least squares on timed decode steps, plain and drafted ones apart (a drafted step pays a
+fixed part a plain one does not), plus the drafting, timed per shape. It emits
 ``B * tokens(W, L) + others`` tokens, ``tokens`` from the acceptance counted on verified trees
 (greedy: seeded with the drafter's own held-out chain figures, a prior that fades).
 A bucket starts plain (batch 1: with a one-token chain) and earns wider and longer shapes one
@@ -47,11 +47,6 @@ CHAIN = (1, 2)
 """The cheapest drafting shape (one drafted token): the only one tried before any is measured."""
 PLAIN = (0, 0)
 """The "shape" of a step without drafts."""
-SIDES = ("plain", "chain", "tree")
-"""Steps whose costs are fitted apart (:meth:`Bucket.seconds`): without drafts, with one beam
-(or context candidates alone), with several. A drafted step pays a fixed part a plain one does
-not, a tree of several beams one more than a chain: one line through them takes each for a cost
-per verified token."""
 
 
 @dataclass(frozen=True)
@@ -118,13 +113,13 @@ class PolicyConfig:
     and its exploring steps (1 in ``explore_every``): ~45% fresh weight per judgement, so
     drafting resumes within a few judgements of the machine or the text turning back."""
     drafted_spread: float = 0.25
-    """A bucket prices chains (and trees) by their side's own line (:meth:`Bucket.seconds`)
-    once that side's verified token counts vary by this much (a variance: two shapes measured);
-    before, at what its steps cost, whatever their n. A drafted step pays a fixed part a plain
-    one does not (the tree's attention, its KV moves: the EPYC, 2026-11-29, batch 1: W=1 L=2 153
-    ms, W=1 L=3 157, plain 104), a tree of several beams one more (:data:`SIDES`); one line
-    through them takes it for a per-token cost, prices short shapes too low and long ones too
-    high (simulated: 1.09x plain at batch 1 where the best fixed shape gave 1.20x)."""
+    """A bucket prices drafted steps by their own line (:meth:`Bucket.seconds`) once their
+    verified token counts vary by this much (a variance: two shapes measured); before, at what
+    its drafted steps cost, whatever their n. A drafted step pays a fixed part a plain one does
+    not (the tree's attention, its KV moves: the EPYC, 2026-11-29, batch 1: W=1 L=2 153 ms, W=1
+    L=3 157, plain 104); one line through plain and drafted steps takes it for a per-token cost,
+    prices short shapes too low and long ones too high, and no shape paid (simulated: 1.05x
+    plain at batch 1 where the best fixed shape gave 1.20x)."""
     prior_weight: float = 2.0
     """Steps' worth of weight a step-cost curve (``vllm-redrafter step-cost``) gives a bucket's
     fit before it is measured: a prior, soon outweighed by the bucket's own steps."""
@@ -265,31 +260,31 @@ class Bucket:
     delivered: dict[bool, Delivered] = field(default_factory=dict)  # drafting (True) or plain
     # (False) -> what its steps delivered; both made by BeamPolicy._bucket
     guarded: bool = False  # the safety net holds this bucket plain (PolicyConfig.guard_every)
-    sides: dict[str, Line] = field(default_factory=dict)  # SIDES entry -> the cost of that
-    # side's timed steps alone; made by BeamPolicy._bucket
+    sides: dict[bool, Line] = field(default_factory=dict)  # drafted (True) or plain (False) ->
+    # the cost of that side's timed steps alone; made by BeamPolicy._bucket
     spread: float = 0.25  # PolicyConfig.drafted_spread
 
-    def seconds(self, n: float, side: str) -> float:
-        """Seconds of a step of ``side`` (:func:`side`) verifying n tokens, drafting not
-        included: by that side's own line where it tells (plain: once timed; drafted: once its
-        token counts vary by ``spread``); drafted steps of one size only: what they cost, at
-        any n (measuring another size tells the slope). A side not timed yet: trees as chains,
-        chains and plain steps by the line through every timed step (``cost``)."""
-        own = self.sides.get(side)
+    def seconds(self, n: float, drafted: bool) -> float:
+        """Seconds of a step verifying n tokens, drafting not included: by that side's own
+        line where it tells (plain: once timed; drafted: once its token counts vary by
+        ``spread``); drafted steps of one size only: what they cost, at any n (measuring
+        another size tells the slope); before any step of the side, the line through every
+        timed step (``cost``)."""
+        own = self.sides.get(drafted)
         if own is None or own.w <= 0:
-            return self.seconds(n, "chain") if side == "tree" else self.cost(n)
-        if side != "plain" and not self._line_tells(side):
+            return self.cost(n)
+        if drafted and not self._drafted_line_tells():
             return own.y / own.w
         return own(n)
 
     def beta(self) -> float:
-        """Seconds per verified token: the chains' slope where their line tells."""
-        fit = (self.sides["chain"] if self._line_tells("chain") else self.cost).fit()
+        """Seconds per verified token: the drafted steps' slope where their line tells."""
+        fit = (self.sides[True] if self._drafted_line_tells() else self.cost).fit()
         return fit[1] if fit else 0.0
 
-    def _line_tells(self, side: str) -> bool:
-        """Whether a side's token counts vary enough (``spread``) for its slope."""
-        own = self.sides.get(side)
+    def _drafted_line_tells(self) -> bool:
+        """Whether the drafted steps' token counts vary enough (``spread``) for their slope."""
+        own = self.sides.get(True)
         return own is not None and own.w > 0 and own.variance() >= self.spread
 
     def drafting(self, width: int, length: int) -> float:
@@ -399,7 +394,7 @@ class BeamPolicy:
         b = self._bucket(max(n, 1))
         rate = choice.tokens_per_second or choice.plain_tokens_per_second
         if not rate and b.cost.w > 0:
-            rate = n / max(b.seconds(n, "plain"), 1e-9)
+            rate = n / max(b.seconds(n, False), 1e-9)
         price = self.config.min_gain * b.beta() * rate
         counts, ids, self.priced = [], set(), []
         for text in obs.texts:
@@ -492,12 +487,9 @@ class BeamPolicy:
         b.last[shape] = seconds
         n = len(ids) - len(obs.verified) + sum(t.packed + t.candidate_nodes for t in obs.verified)
         b.cost.add(n, seconds)
-        taken = side(shape[0], bool(obs.verified))
-        for key, line in b.sides.items():  # all sides fade per timed step: a side seldom taken
-            if key == taken:  # (drafting while the machine was slow) is judged by its latest
-                line.add(n, seconds)  # steps when taken again
-            else:
-                line.fade()
+        b.sides[bool(obs.verified)].add(n, seconds)
+        b.sides[not obs.verified].fade()  # both sides fade per timed step: a side seldom taken
+        # (drafting while the machine was slow) is judged by its latest steps when taken again
         b.timed.add(shape)
 
     def _choose(self, obs: StepObservation) -> Choice:
@@ -517,7 +509,7 @@ class BeamPolicy:
             return self._take(b, PLAIN, 0.0, 0.0, "unmeasured")
         if PLAIN not in b.timed:  # a plain step to set the drafted ones against
             return self._take(b, PLAIN, 0.0, 0.0, "plain-refresh")
-        plain = n / max(b.seconds(n, "plain"), 1e-9)
+        plain = n / max(b.seconds(n, False), 1e-9)
         values, hopes = self._values(b, smaller, obs, plain)
         best = max(values, key=values.get)
         pays = values[best] > cfg.min_gain * plain
@@ -551,7 +543,7 @@ class BeamPolicy:
                              for k, s in share.items())
                 if packed - 1 > obs.max_nodes:
                     continue
-                seconds = max(b.seconds(drafters * packed + others, side(width, True))
+                seconds = max(b.seconds(drafters * packed + others, True)
                               + b.drafting(width, length), 1e-9)
                 for out, hopeful in ((values, False), (hopes, True)):
                     out[(width, length)] = (others + drafters * sum(
@@ -589,7 +581,7 @@ class BeamPolicy:
         if key not in self.buckets:
             self.buckets[key] = b = Bucket(Line(self.config.cost_decay))
             b.delivered = {side: Delivered(decay=self.config.guard_decay) for side in (True, False)}
-            b.sides = {key: Line(self.config.cost_decay) for key in SIDES}
+            b.sides = {side: Line(self.config.cost_decay) for side in (True, False)}
             b.spread = self.config.drafted_spread
             if self.prior is not None:  # pseudo-steps: a plain one and one of the widest trees
                 widest = key * (1 + self.max_width * (self.max_length - 1))
@@ -615,12 +607,6 @@ def _moving_mean(mean: float | None, x: float, decay: float, clip: float) -> flo
 def bucket(batch: int) -> int:
     """Batch sizes share a cost fit in powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
     return 1 << max(0, batch - 1).bit_length()
-
-
-def side(width: int, verified: bool) -> str:
-    """The :data:`SIDES` entry of a step whose requests draft ``width`` beams (0: none; context
-    candidates alone count as a chain)."""
-    return "tree" if width > 1 else "chain" if width or verified else "plain"
 
 
 def acceptance_kind(temperature: float | None) -> str:
