@@ -1,15 +1,15 @@
 """Realized tokens/s per batch size and beam shape, from a server's ReDrafter step log.
 
 Serve with ``VLLM_REDRAFTER_STEP_LOG=FILE`` (one JSON line per engine step, written by the
-proposer) and run a load; then ``python benchmarks/step_log.py FILE``. Several engines may
-write one file (``peers.py`` at batch 1): each is summed apart, by its process id. A step is the time from
-one line to the next; its batch and the tokens it emitted are in the next line. Decode steps (no
-request joined, none prefilling) are grouped by batch size and the shape the policy chose; each
-group shows the realized tokens/s and its ratio to plain decode steps of the same batch size, beside
-the ratio the policy expected when it chose. Steps in which a request joined (its prefill ran in
-them) are summed apart: their time is part of what drafting must win back. The policy's reasons
-(which rule chose each step: best, explore, plain-refresh, no-shape-pays, ...) are counted, and
-the steps where a request's lookup found a context candidate, by what the policy did with it.
+proposer) and run a load; then ``python benchmarks/step_log.py FILE``. Several engines may write
+one file (``peers.py`` at batch 1): each is summed apart, by its process id. A step is the time
+from one line to the next; its batch and the tokens it emitted are in the next line. Decode steps
+(no request joined, none prefilling) are grouped by batch size and the shape the policy chose; each
+group shows the realized tokens/s and its ratio to plain decode steps of the same batch size,
+beside the ratio the policy expected when it chose. Steps in which a request joined (its prefill
+ran in them) are summed apart: their time is part of what drafting must win back. The policy's
+reasons (which rule chose each step: best, explore, plain-refresh, no-shape-pays, ...) are counted,
+and the steps where a request's lookup found a context candidate, by what the policy did with it.
 """
 
 from __future__ import annotations
