@@ -118,8 +118,8 @@ class PolicyConfig:
     its drafted steps cost, whatever their n. A drafted step pays a fixed part a plain one does
     not (the tree's attention, its KV moves: the EPYC, 2026-11-29, batch 1: W=1 L=2 153 ms, W=1
     L=3 157, plain 104); one line through plain and drafted steps takes it for a per-token cost,
-    prices short shapes too low and long ones too high, and no shape paid (simulated: 1.05x
-    plain at batch 1 where the best fixed shape gave 1.20x)."""
+    prices short shapes too low and long ones too high, and drafts too seldom (simulated: 1.09x
+    plain at batch 1 where the best fixed shape gave 1.20x, its own lines 1.18x)."""
     prior_weight: float = 2.0
     """Steps' worth of weight a step-cost curve (``vllm-redrafter step-cost``) gives a bucket's
     fit before it is measured: a prior, soon outweighed by the bucket's own steps."""
