@@ -22,10 +22,10 @@ from vllm_redrafter.beam_policy import (
     acceptance_kind,
     bucket,
 )
-from vllm_redrafter.step_cost_curve import BatchStepCost, StepCost, load_step_cost
 from vllm_redrafter.demo import DEFAULT_DRAFTER
 from vllm_redrafter.drafter import held_out_chain_acceptance
 from vllm_redrafter.policy_sim import Acceptance, Machine, median_time_per_token, rate, run
+from vllm_redrafter.step_cost_curve import BatchStepCost, StepCost, load_step_cost
 
 DATA = Path(__file__).parent / "data"
 CPU = policy_sim.cpu_machine(json.loads((DATA / "step_cost_xeon_amx.json").read_text())["cells"])
@@ -333,7 +333,8 @@ def test_step_cost_cache_is_per_cpu_isa_and_thread_count(monkeypatch):
         for threads in (1, 2):
             paths.add(step_cost_curve.step_cost_path("model", "torch.float32", "cpu", threads))
     assert len(paths) == 4
-    gpu = {step_cost_curve.step_cost_path("model", "torch.bfloat16", "NVIDIA H100", t) for t in (1, 8)}
+    gpu = {step_cost_curve.step_cost_path("model", "torch.bfloat16", "NVIDIA H100", t)
+           for t in (1, 8)}
     assert len(gpu) == 1  # on a GPU the host's threads do not set the step's cost
 
 

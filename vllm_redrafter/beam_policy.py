@@ -448,14 +448,12 @@ class BeamPolicy:
         return Choice(0, 0, choice.tokens_per_second, choice.plain_tokens_per_second, reason,
                       (0,) * len(choice.candidates))
 
-    def _deliver(self, obs: StepObservation, last: _Open | None) -> None:
+    def _deliver(self, obs: StepObservation, last: _Open | None, kv_moves: bool) -> None:
         """Count the step that just ended on its side (drafting or plain) of its bucket: a
-        decode step of an unchanged batch; a plain step only if the one before did not draft."""
-        drafted, after_draft = bool(obs.verified), self._drafted
-        self._drafted = drafted
-        ids = set(obs.request_ids)
+        decode step of an unchanged batch, not a plain one that paid a drafted step's KV moves."""
+        drafted, ids = bool(obs.verified), set(obs.request_ids)
         if (last is None or not ids or obs.prefilling or not ids <= last.ids or obs.emitted <= 0
-                or (after_draft and not drafted)):
+                or kv_moves):
             return
         self._bucket(len(last.ids)).delivered[drafted].add(obs.emitted,
                                                            max(obs.now - last.now, 1e-9))
@@ -464,8 +462,9 @@ class BeamPolicy:
         for kind, stats in self.acceptance.items():  # the drafter's trees: its own acceptance
             stats.observe([t for t in obs.verified if t.kind == kind and t.width])
         last, ids, cfg = self._open, set(obs.request_ids), self.config
-        after_draft = self._drafted
-        self._deliver(obs, last)
+        kv_moves = self._drafted and not obs.verified  # a plain step after a drafted one pays
+        self._drafted = bool(obs.verified)  # that step's KV moves: neither timed nor counted
+        self._deliver(obs, last, kv_moves)
         if last is None or not last.ids:
             return
         b, shape = self._bucket(len(last.ids)), (last.choice.width, last.choice.length)
@@ -475,11 +474,10 @@ class BeamPolicy:
         if shape[0] and obs.draft_seconds > 0:
             b.draft[shape] = _moving_mean(b.draft.get(shape), obs.draft_seconds, cfg.draft_decay,
                                           cfg.clip)
-        # Timed: decode steps only (nobody joined, no prefill work), of the shape chosen; not a
-        # plain step right after a drafted one (it pays that step's KV moves)
+        # Timed: decode steps only (nobody joined, no prefill work), of the shape chosen
         drafted = any(t.width for t in obs.verified)
         if (not ids or obs.prefilling or not ids <= last.ids or bool(shape[0]) != drafted
-                or (after_draft and not obs.verified)):
+                or kv_moves):
             return
         seconds = obs.now - last.now - obs.draft_seconds
         if shape in b.last:
