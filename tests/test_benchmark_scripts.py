@@ -128,7 +128,8 @@ def test_qps_sweep_results_pair_each_arm_with_vllm_alone_of_the_same_repeat(tmp_
     def run(tokens: int, seconds: float) -> dict:
         return {"duration": seconds, "total_output_tokens": tokens, "output_throughput": tokens / seconds,
                 "output_lens": [tokens // 2] * 2,
-                "ttfts": [0.1, 0.2], "latencies": [1.0, 2.0], "errors": ["", ""]}
+                "ttfts": [0.01 * seconds, 0.02 * seconds],  # requests as slow as the run
+                "latencies": [0.1 * seconds, 0.2 * seconds], "errors": ["", ""]}
 
     args = argparse.Namespace(out=tmp_path / "sweep.json", max_tokens=64, repeats=2,
                               fixed_repeats=1, warmup_prompts=4)
@@ -142,6 +143,7 @@ def test_qps_sweep_results_pair_each_arm_with_vllm_alone_of_the_same_repeat(tmp_
     (row,) = sweep.rows()
     assert row["policy_throughput_ratio_per_repeat"] == [2.0, 1.0]
     assert row["fixed_throughput_ratio_per_repeat"] == [0.5]  # paired with alone's first repeat
+    assert row["policy_tpot_ratio_per_repeat"] == pytest.approx([2.0, 1.0])  # as fast
     assert row["policy_throughput_ratio"] == pytest.approx(18.0 / 13.0)
     assert (row["policy_drafted_fraction"], row["fixed_drafted_fraction"]) == (0.3, 0.5)
     sweep.write_results()
