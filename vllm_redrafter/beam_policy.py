@@ -47,6 +47,11 @@ CHAIN = (1, 2)
 """The cheapest drafting shape (one drafted token): the only one tried before any is measured."""
 PLAIN = (0, 0)
 """The "shape" of a step without drafts."""
+SIDES = ("plain", "chain", "tree", "drafted")
+"""Steps whose costs are fitted apart (:meth:`Bucket.seconds`): without drafts, with one beam
+(or context candidates alone), with several, and the last two together. A drafted step pays a
+fixed part a plain one does not, a tree of several beams one more than a chain (its accepted
+path may leave the first beam: KV moves)."""
 
 
 @dataclass(frozen=True)
@@ -113,13 +118,14 @@ class PolicyConfig:
     and its exploring steps (1 in ``explore_every``): ~45% fresh weight per judgement, so
     drafting resumes within a few judgements of the machine or the text turning back."""
     drafted_spread: float = 0.25
-    """A bucket prices drafted steps by their own line (:meth:`Bucket.seconds`) once their
-    verified token counts vary by this much (a variance: two shapes measured); before, at what
-    its drafted steps cost, whatever their n. A drafted step pays a fixed part a plain one does
-    not (the tree's attention, its KV moves: the EPYC, 2026-11-29, batch 1: W=1 L=2 153 ms, W=1
-    L=3 157, plain 104); one line through plain and drafted steps takes it for a per-token cost,
-    prices short shapes too low and long ones too high, and drafts too seldom (simulated: 1.09x
-    plain at batch 1 where the best fixed shape gave 1.20x, its own lines 1.18x)."""
+    """A bucket prices drafted steps by their own lines (:meth:`Bucket.seconds`) once their
+    verified token counts vary by this much within chains or trees (a variance: two sizes
+    measured); before, at what its chains (trees) cost, whatever their n. A drafted step pays a
+    fixed part a plain one does not (the EPYC, 2026-11-29, batch 1: W=1 L=2 153 ms, W=1 L=3 157,
+    plain 104), a tree of several beams one more (the Xeon, 2026-11-30, batch 1: W=2 L=4 113-133
+    ms, W=1 L=4 92-105, 5 candidate nodes on a chain 1-4): one line through them takes a fixed
+    part for a per-token cost (simulated: 1.09x plain at batch 1 where the best fixed shape gave
+    1.20x, its own lines 1.18x)."""
     prior_weight: float = 2.0
     """Steps' worth of weight a step-cost curve (``vllm-redrafter step-cost``) gives a bucket's
     fit before it is measured: a prior, soon outweighed by the bucket's own steps."""
@@ -260,32 +266,40 @@ class Bucket:
     delivered: dict[bool, Delivered] = field(default_factory=dict)  # drafting (True) or plain
     # (False) -> what its steps delivered; both made by BeamPolicy._bucket
     guarded: bool = False  # the safety net holds this bucket plain (PolicyConfig.guard_every)
-    sides: dict[bool, Line] = field(default_factory=dict)  # drafted (True) or plain (False) ->
-    # the cost of that side's timed steps alone; made by BeamPolicy._bucket
+    sides: dict[str, Line] = field(default_factory=dict)  # SIDES entry -> the cost of that
+    # side's timed steps alone; made by BeamPolicy._bucket
     spread: float = 0.25  # PolicyConfig.drafted_spread
 
-    def seconds(self, n: float, drafted: bool) -> float:
-        """Seconds of a step verifying n tokens, drafting not included: by that side's own
-        line where it tells (plain: once timed; drafted: once its token counts vary by
-        ``spread``); drafted steps of one size only: what they cost, at any n (measuring
-        another size tells the slope); before any step of the side, the line through every
-        timed step (``cost``)."""
-        own = self.sides.get(drafted)
-        if own is None or own.w <= 0:
-            return self.cost(n)
-        if drafted and not self._drafted_line_tells():
-            return own.y / own.w
-        return own(n)
+    def seconds(self, n: float, side: str) -> float:
+        """Seconds of a step of ``side`` (:func:`side`) verifying n tokens, drafting not
+        included. Plain: its own line once timed. Chains: their own line once their sizes vary
+        by ``spread``, before that what they cost. Trees: their own line likewise; with one
+        size timed, its cost moved along the slope of all drafted steps (chains and that size:
+        on a GPU, where the cost per token grows with n, the chains' flat slope would price
+        every tree at the one measured). Before any step of the side, the line through every
+        timed step."""
+        own, drafted = self.sides[side], self.sides["drafted"]
+        if side == "plain" or self._tells(side):
+            return own(n) if own.w > 0 else self.cost(n)
+        if side == "tree" and own.w > 0 and self._tells("drafted"):  # its cost, moved along
+            slope = drafted.fit()[1]  # the slope of all drafted steps
+            return max(0.0, own.y / own.w + slope * (n - own.x / own.w))
+        for line in (own, drafted):  # one size: what it cost, whatever n
+            if line.w > 0:
+                return line.y / line.w
+        return self.cost(n)
 
     def beta(self) -> float:
-        """Seconds per verified token: the drafted steps' slope where their line tells."""
-        fit = (self.sides[True] if self._drafted_line_tells() else self.cost).fit()
+        """Seconds per verified token: the chains' slope where their line tells, else all
+        drafted steps' (a tree's fixed part read as a cost per token prices nodes too dear)."""
+        name = next((s for s in ("chain", "drafted") if self._tells(s)), None)
+        fit = (self.sides[name] if name else self.cost).fit()
         return fit[1] if fit else 0.0
 
-    def _drafted_line_tells(self) -> bool:
-        """Whether the drafted steps' token counts vary enough (``spread``) for their slope."""
-        own = self.sides.get(True)
-        return own is not None and own.w > 0 and own.variance() >= self.spread
+    def _tells(self, side: str) -> bool:
+        """Whether a side's token counts vary enough (``spread``) for its slope."""
+        own = self.sides[side]
+        return own.w > 0 and own.variance() >= self.spread
 
     def drafting(self, width: int, length: int) -> float:
         """Seconds of drafting (W, L) here; not drafted yet: the dearest drafted shape it
@@ -394,7 +408,7 @@ class BeamPolicy:
         b = self._bucket(max(n, 1))
         rate = choice.tokens_per_second or choice.plain_tokens_per_second
         if not rate and b.cost.w > 0:
-            rate = n / max(b.seconds(n, False), 1e-9)
+            rate = n / max(b.seconds(n, "plain"), 1e-9)
         price = self.config.min_gain * b.beta() * rate
         counts, ids, self.priced = [], set(), []
         for text in obs.texts:
@@ -485,9 +499,12 @@ class BeamPolicy:
         b.last[shape] = seconds
         n = len(ids) - len(obs.verified) + sum(t.packed + t.candidate_nodes for t in obs.verified)
         b.cost.add(n, seconds)
-        b.sides[bool(obs.verified)].add(n, seconds)
-        b.sides[not obs.verified].fade()  # both sides fade per timed step: a side seldom taken
-        # (drafting while the machine was slow) is judged by its latest steps when taken again
+        taken = side(shape[0], bool(obs.verified))
+        for key, line in b.sides.items():  # all sides fade per timed step: a side seldom taken
+            if key == taken or (key == "drafted" and taken != "plain"):  # (drafting while the
+                line.add(n, seconds)  # machine was slow) is judged by its latest steps when
+            else:  # taken again
+                line.fade()
         b.timed.add(shape)
 
     def _choose(self, obs: StepObservation) -> Choice:
@@ -507,7 +524,7 @@ class BeamPolicy:
             return self._take(b, PLAIN, 0.0, 0.0, "unmeasured")
         if PLAIN not in b.timed:  # a plain step to set the drafted ones against
             return self._take(b, PLAIN, 0.0, 0.0, "plain-refresh")
-        plain = n / max(b.seconds(n, False), 1e-9)
+        plain = n / max(b.seconds(n, "plain"), 1e-9)
         values, hopes = self._values(b, smaller, obs, plain)
         best = max(values, key=values.get)
         pays = values[best] > cfg.min_gain * plain
@@ -541,7 +558,7 @@ class BeamPolicy:
                              for k, s in share.items())
                 if packed - 1 > obs.max_nodes:
                     continue
-                seconds = max(b.seconds(drafters * packed + others, True)
+                seconds = max(b.seconds(drafters * packed + others, side(width, True))
                               + b.drafting(width, length), 1e-9)
                 for out, hopeful in ((values, False), (hopes, True)):
                     out[(width, length)] = (others + drafters * sum(
@@ -579,7 +596,7 @@ class BeamPolicy:
         if key not in self.buckets:
             self.buckets[key] = b = Bucket(Line(self.config.cost_decay))
             b.delivered = {side: Delivered(decay=self.config.guard_decay) for side in (True, False)}
-            b.sides = {side: Line(self.config.cost_decay) for side in (True, False)}
+            b.sides = {s: Line(self.config.cost_decay) for s in SIDES}
             b.spread = self.config.drafted_spread
             if self.prior is not None:  # pseudo-steps: a plain one and one of the widest trees
                 widest = key * (1 + self.max_width * (self.max_length - 1))
@@ -605,6 +622,12 @@ def _moving_mean(mean: float | None, x: float, decay: float, clip: float) -> flo
 def bucket(batch: int) -> int:
     """Batch sizes share a cost fit in powers of two: 1, 2, 4 (3-4), 8 (5-8), ..."""
     return 1 << max(0, batch - 1).bit_length()
+
+
+def side(width: int, verified: bool) -> str:
+    """The :data:`SIDES` entry of a step whose requests draft ``width`` beams (0: none; context
+    candidates alone count as a chain)."""
+    return "tree" if width > 1 else "chain" if width or verified else "plain"
 
 
 def acceptance_kind(temperature: float | None) -> str:

@@ -102,11 +102,14 @@ class Machine:
 
     verify: Callable[[int, float], float]  # (batch, verified tokens) -> the target's step
     draft: Callable[[int, int, int], float]  # (drafting requests, W, L) -> beam search + packing
+    tree: Callable[[int], float] = lambda b: 0.0  # batch -> what a step of trees of several
+    # beams pays beyond its tokens (the tree's attention, its KV moves)
 
     def slowed(self, verify: float = 1.0, draft: float = 1.0) -> Machine:
         """The same machine, its steps' parts this many times slower."""
         return Machine(lambda b, n: verify * self.verify(b, n),
-                       lambda b, w, l: draft * self.draft(b, w, l))
+                       lambda b, w, l: draft * self.draft(b, w, l),
+                       lambda b: verify * self.tree(b))
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -238,7 +241,8 @@ def run(policy: BeamPolicy | tuple[int, int], machine: Machine | Callable[[int],
             for r, a in enumerate(accepted):
                 outputs[r].extend(truth[r][len(outputs[r]): len(outputs[r]) + a + 1])
         drafter_accepted = drafter
-        seconds = draft_seconds + m.verify(batch, n) * jitter()
+        tree = m.tree(batch) if width > 1 else 0.0
+        seconds = draft_seconds + (m.verify(batch, n) + tree) * jitter()
         now += seconds
         emitted = batch + sum(accepted)
         log.append(SimStep(width, length, batch + sum(accepted), seconds, reason, plain_expected,
