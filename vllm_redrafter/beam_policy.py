@@ -7,8 +7,8 @@ goes in (:class:`StepObservation`), the shape for the step that starts comes out
 
 Per batch-size bucket (1, 2, 3-4, 5-8, ...) a step costs ``alpha + beta * n`` seconds, n the
 tokens it verifies (each drafting request's packed tree, each other request's one), fitted by
-decayed least squares on timed decode steps, plain and drafted ones apart (a drafted step pays a
-fixed part a plain one does not), plus the drafting, timed per shape. It emits
+decayed least squares on timed decode steps, plain steps, chains and trees apart (:data:`SIDES`:
+each pays a fixed part the one before does not), plus the drafting, timed per shape. It emits
 ``B * tokens(W, L) + others`` tokens, ``tokens`` from the acceptance counted on verified trees
 (greedy: seeded with the drafter's own held-out chain figures, a prior that fades).
 A bucket starts plain (batch 1: with a one-token chain) and earns wider and longer shapes one
