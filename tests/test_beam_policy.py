@@ -301,7 +301,7 @@ def test_a_trees_fixed_part_does_not_price_the_chains(monkeypatch):
 def test_the_cost_per_verified_token_is_the_chains_not_the_trees_fixed_part():
     """Chains cost 100 ms + 1 ms per verified token, trees 30 ms more: the slope a context
     candidate's nodes are priced by (``Bucket.beta``) is 1 ms, and each side is priced at its
-    own cost. The control: one line through chains and trees reads the trees' fixed part as
+    own cost; with chains of one size timed, 0 (they are priced flat). The control: one line through chains and trees reads the trees' fixed part as
     ~4 ms per token (the Xeon's step log, 2026-11-30: 7-12 candidates per server left out at
     batch 1 as not worth their nodes, which cost ~0.5 ms each)."""
     policy = BeamPolicy(4, 4)
@@ -320,6 +320,11 @@ def test_the_cost_per_verified_token_is_the_chains_not_the_trees_fixed_part():
     for kind, n in steps:
         one.add(n, 0.100 + 0.001 * n + (0.030 if kind == "tree" else 0.0))
     assert one.fit()[1] > 0.003
+    b = BeamPolicy(4, 4)._bucket(1)  # chains of one size: priced flat, so are their nodes
+    for kind, n in [("chain", 4), ("tree", 7)] * 5:
+        for key in (kind, "drafted"):
+            b.sides[key].add(n, 0.104 + (0.030 if kind == "tree" else 0.0))
+    assert b.beta() == 0.0 and b.sides["drafted"].fit()[1] > 0.005
 
 
 def test_greedy_and_sampled_requests_are_judged_by_their_own_acceptance():

@@ -290,10 +290,16 @@ class Bucket:
         return self.cost(n)
 
     def beta(self) -> float:
-        """Seconds per verified token: the chains' slope where their line tells, else all
-        drafted steps' (a tree's fixed part read as a cost per token prices nodes too dear)."""
-        name = next((s for s in ("chain", "drafted") if self._tells(s)), None)
-        fit = (self.sides[name] if name else self.cost).fit()
+        """Seconds per verified token, what a context candidate's node costs: the chains'
+        slope where their line tells; 0 while chains of one size are timed (priced flat, as
+        :meth:`seconds` prices them: the candidates taken then vary their size); before any,
+        the slope of all drafted steps or of every step. Not a line through chains and trees:
+        a tree's fixed part read as a cost per token prices nodes ~10x too dear (the Xeon)."""
+        if self._tells("chain"):
+            return self.sides["chain"].fit()[1]
+        if self.sides["chain"].w > 0:
+            return 0.0
+        fit = (self.sides["drafted"] if self._tells("drafted") else self.cost).fit()
         return fit[1] if fit else 0.0
 
     def _tells(self, side: str) -> bool:
