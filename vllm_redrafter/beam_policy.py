@@ -506,10 +506,11 @@ class BeamPolicy:
         n = len(ids) - len(obs.verified) + sum(t.packed + t.candidate_nodes for t in obs.verified)
         b.cost.add(n, seconds)
         taken = side(shape[0], bool(obs.verified))
-        for key, line in b.sides.items():  # all sides fade per timed step: a side seldom taken
-            if key == taken or (key == "drafted" and taken != "plain"):  # (drafting while the
-                line.add(n, seconds)  # machine was slow) is judged by its latest steps when
-            else:  # taken again
+        for key, line in b.sides.items():  # every side fades per timed step: one seldom taken
+            # (drafting while the machine was slow) is judged by its latest steps when taken again
+            if key == taken or (key == "drafted" and taken != "plain"):
+                line.add(n, seconds)
+            else:
                 line.fade()
         b.timed.add(shape)
 
@@ -601,7 +602,7 @@ class BeamPolicy:
         key = bucket(n)
         if key not in self.buckets:
             self.buckets[key] = b = Bucket(Line(self.config.cost_decay))
-            b.delivered = {side: Delivered(decay=self.config.guard_decay) for side in (True, False)}
+            b.delivered = {d: Delivered(decay=self.config.guard_decay) for d in (True, False)}
             b.sides = {s: Line(self.config.cost_decay) for s in SIDES}
             b.spread = self.config.drafted_spread
             if self.prior is not None:  # pseudo-steps: a plain one and one of the widest trees
