@@ -305,8 +305,7 @@ def test_the_cost_per_verified_token_is_the_chains_not_the_trees_fixed_part():
     steps = [("chain", 3), ("chain", 4), ("chain", 8), ("tree", 7)] * 5
     for kind, n in steps:
         seconds = 0.100 + 0.001 * n + (0.030 if kind == "tree" else 0.0)
-        for key in (kind, "drafted"):
-            b.sides[key].add(n, seconds)
+        b.sides[kind].add(n, seconds)
         b.cost.add(n, seconds)
     assert b.beta() == pytest.approx(0.001, rel=0.05)
     assert b.seconds(3, "chain") == pytest.approx(0.103, rel=0.01)
@@ -318,9 +317,8 @@ def test_the_cost_per_verified_token_is_the_chains_not_the_trees_fixed_part():
     assert one.fit()[1] > 0.003
     b = BeamPolicy(4, 4)._bucket(1)  # chains of one size: priced flat, so are their nodes
     for kind, n in [("chain", 4), ("tree", 7)] * 5:
-        for key in (kind, "drafted"):
-            b.sides[key].add(n, 0.104 + (0.030 if kind == "tree" else 0.0))
-    assert b.beta() == 0.0 and b.sides["drafted"].fit()[1] > 0.005
+        b.sides[kind].add(n, 0.104 + (0.030 if kind == "tree" else 0.0))
+    assert b.beta() == 0.0 and b.line("drafted").fit()[1] > 0.005
 
 
 def test_greedy_and_sampled_requests_are_judged_by_their_own_acceptance():

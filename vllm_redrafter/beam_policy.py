@@ -47,9 +47,10 @@ CHAIN = (1, 2)
 """The cheapest drafting shape (one drafted token): the only one tried before any is measured."""
 PLAIN = (0, 0)
 """The "shape" of a step without drafts."""
-SIDES = ("plain", "chain", "tree", "drafted")
+SIDES = ("plain", "chain", "tree")
 """Steps whose costs are fitted apart (:meth:`Bucket.seconds`): without drafts, with one beam
-(or context candidates alone), with several, and the last two together. A drafted step pays a
+(or context candidates alone), with several (chains and trees together: ``"drafted"``,
+:meth:`Bucket.line`). A drafted step pays a
 fixed part a plain one does not, a tree of several beams one more than a chain (its accepted
 path may leave the first beam: KV moves)."""
 
@@ -244,6 +245,13 @@ class Line:
         ab = self.fit()
         return None if ab is None else ab[0] + ab[1] * x
 
+    def __add__(self, other: Line) -> Line:
+        """The line through both lines' points (their sums added; the same decay)."""
+        line = Line(self.decay)
+        line.w, line.x, line.y = self.w + other.w, self.x + other.x, self.y + other.y
+        line.xx, line.xy = self.xx + other.xx, self.xy + other.xy
+        return line
+
     def variance(self) -> float:
         """The weighted variance of the x seen (0 before any)."""
         return max(0.0, self.xx / self.w - (self.x / self.w) ** 2) if self.w > 0 else 0.0
@@ -278,7 +286,7 @@ class Bucket:
         on a GPU, where the cost per token grows with n, the chains' flat slope would price
         every tree at the one measured). Before any step of the side, the line through every
         timed step."""
-        own, drafted = self.sides[side], self.sides["drafted"]
+        own, drafted = self.line(side), self.line("drafted")
         if side == "plain" or self._tells(side):
             return own(n) if own.w > 0 else self.cost(n)
         if side == "tree" and own.w > 0 and self._tells("drafted"):  # its cost, moved along
@@ -299,12 +307,17 @@ class Bucket:
             return self.sides["chain"].fit()[1]
         if self.sides["chain"].w > 0:
             return 0.0
-        fit = (self.sides["drafted"] if self._tells("drafted") else self.cost).fit()
+        fit = (self.line("drafted") if self._tells("drafted") else self.cost).fit()
         return fit[1] if fit else 0.0
+
+    def line(self, side: str) -> Line:
+        """A :data:`SIDES` entry's cost line; ``"drafted"``: chains' and trees' together (all
+        sides fade alike per timed step, so their sums add)."""
+        return self.sides["chain"] + self.sides["tree"] if side == "drafted" else self.sides[side]
 
     def _tells(self, side: str) -> bool:
         """Whether a side's token counts vary enough (``spread``) for its slope."""
-        own = self.sides[side]
+        own = self.line(side)
         return own.w > 0 and own.variance() >= self.spread
 
     def drafting(self, width: int, length: int) -> float:
@@ -508,7 +521,7 @@ class BeamPolicy:
         taken = side(shape[0], bool(obs.verified))
         for key, line in b.sides.items():  # every side fades per timed step: one seldom taken
             # (drafting while the machine was slow) is judged by its latest steps when taken again
-            if key == taken or (key == "drafted" and taken != "plain"):
+            if key == taken:
                 line.add(n, seconds)
             else:
                 line.fade()
