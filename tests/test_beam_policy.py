@@ -230,7 +230,9 @@ def test_only_decode_steps_of_an_unchanged_batch_are_timed():
 
 def test_a_shape_must_beat_a_plain_step_by_the_margin_and_plain_steps_recur():
     """Drafted steps cost 1.1x a plain one and emit 1.3 tokens: 18% better, taken with a 5%
-    margin, not with a 20% one; the safety net's plain steps recur (3 in 96). Mean of 4 runs:
+    margin (93-97% of steps), not with a 30% one (4.5%: exploring steps; with 20%, 2% above the
+    truth, a stale count's upper bound pays in 18% of steps at batch 8: rule ``hoped``); the
+    safety net's plain steps recur (3 in 96). Mean of 4 runs:
     at batch 1 the acceptance is counted on one tree a step, and a run of unlucky trees can rate
     the shape below the margin for a while (1 run in 6 drafted 54% of its steps, the others
     74-95%)."""
@@ -238,12 +240,12 @@ def test_a_shape_must_beat_a_plain_step_by_the_margin_and_plain_steps_recur():
     machine = Machine(lambda b, n: 0.010 * (1 + 0.1 * (n - b) / b), lambda b, w, l: 0.0)
     for batch in (1, 8):
         drafted = {}
-        for gain in (1.05, 1.2):
+        for gain in (1.05, 1.3):
             logs = [run(BeamPolicy(2, 2, PolicyConfig(min_gain=gain)), machine, acceptance,
                         batch, 800, seed=seed)[300:] for seed in range(4)]
             drafted[gain] = sum(s.width > 0 for log in logs for s in log) / 2000
         assert 0.75 < drafted[1.05] < 1 - 3 / 96 + 0.01, (batch, drafted)  # guard_block 3 in 96
-        assert drafted[1.2] < 0.1, (batch, drafted)  # only exploring steps draft
+        assert drafted[1.3] < 0.1, (batch, drafted)  # only exploring steps draft
 
 
 def batch_1_rate(machine: Machine, seeds: int) -> float:
@@ -278,9 +280,10 @@ def test_a_trees_fixed_part_does_not_price_the_chains(monkeypatch):
     """A step of trees of several beams pays a fixed part a chain's does not (on the Xeon,
     2026-11-30, batch 1: W=2 L=4 113-133 ms against W=1 L=4's 92-105): here 60% of a plain step,
     on top of the drafted steps' 30%. Chains and trees priced by lines of their own (a tree
-    size measured alone along all drafted steps' slope): the policy reaches >= 0.95x the best fixed shape (a chain) at batch 1 (mean
-    of 4 runs). The control, one drafted line: each exploring tree step steepens its slope, the
-    chains it then prices stop paying, and the policy stays below 0.93x of it."""
+    size measured alone along all drafted steps' slope): the policy reaches >= 0.95x the best
+    fixed shape (a chain) at batch 1 (mean of 4 runs; 1.005x). The control, one drafted line:
+    each exploring tree step steepens its slope, the chains it then prices stop paying, and the
+    policy stays below 0.96x of it (0.947x; 0.915x before shapes hoped to pay were drafted)."""
     machine = Machine(lambda b, n: CPU.verify(b, n) + (0.3 * CPU.verify(b, b) if n > b else 0.0),
                       CPU.draft, lambda b: 0.6 * CPU.verify(b, b))
     best = max(rate(run(s, machine, SHIPPED, 1, 300)) for s in ((1, 3), (1, 4), (2, 3), (4, 4)))
@@ -291,7 +294,7 @@ def test_a_trees_fixed_part_does_not_price_the_chains(monkeypatch):
     print(f"\nbatch 1, trees +60%: policy {ours / best:.3f}x the best fixed shape, "
           f"with one drafted line {one_line / best:.3f}")
     assert ours >= 0.95 * best
-    assert one_line < 0.93 * best
+    assert one_line < 0.96 * best
 
 
 def test_the_cost_per_verified_token_is_the_chains_not_the_trees_fixed_part():
@@ -319,6 +322,41 @@ def test_the_cost_per_verified_token_is_the_chains_not_the_trees_fixed_part():
     for kind, n in [("chain", 4), ("tree", 7)] * 5:
         b.sides[kind].add(n, 0.104 + (0.030 if kind == "tree" else 0.0))
     assert b.beta() == 0.0 and b.line("drafted").fit()[1] > 0.005
+
+
+def sampled_answers(policy: BeamPolicy | tuple[int, int], seed: int) -> list:
+    """30 answers of 45 steps at batch 1, sampled (no acceptance prior), on the CPU table with
+    drafted steps 30% dearer than their tokens (trees 30% more): each answer's acceptance the
+    shipped drafter's at each depth d times f**d, f = 0.95 x uniform(0.75, 1.15) per answer (the
+    text changes): what the Xeon's step log showed at temperature 0.8 (W=1 L=2 1.35-1.60 tokens
+    per step, drafted steps 108-112 ms against plain 90)."""
+    plain = CPU.verify(1, 1)
+    machine = Machine(lambda b, n: CPU.verify(b, n) + (0.3 * plain if n > b else 0.0), CPU.draft,
+                      lambda b: 0.3 * plain)
+    factors, log = random.Random(seed), []
+    for answer in range(30):
+        acceptance = SHIPPED.scaled(0.95 * factors.uniform(0.75, 1.15))
+        log += run(policy, machine, acceptance, 1, 45, seed=1000 * seed + answer, kind="sampled",
+                   tag=f"q{answer}-")
+    return log
+
+
+def test_a_shape_hoped_to_pay_is_drafted_so_its_counts_stay_fresh():
+    """Acceptance is counted on drafted trees only: where one unlucky tree rates the chain below
+    the margin, plain steps add no count to change that, and the estimate stays low until an
+    exploring step (1 in 32) is lucky. The Xeon at temperature 0.8, batch 1 (step log,
+    2026-11-30): ``no-shape-pays`` in 164-311 of ~600 steps while the chains drafted realized
+    1.15-1.51x plain. Simulated (``sampled_answers``): drafting the best shape where its
+    acceptance at the upper confidence bound pays (``hoped``) reaches >= 0.96x the best fixed
+    chain (mean of 4 runs); the control, without the bound (``ucb`` 0), stays below 0.95x."""
+    ratios = {}
+    for ucb in (PolicyConfig().ucb, 0.0):
+        ratios[ucb] = sum(
+            rate(sampled_answers(BeamPolicy(4, 4, PolicyConfig(ucb=ucb)), seed))
+            / max(rate(sampled_answers(shape, seed)) for shape in ((1, 2), (1, 3), (1, 4)))
+            for seed in range(4)) / 4
+    print(f"\nsampled, batch 1, policy / best fixed chain by ucb: {ratios}")
+    assert ratios[PolicyConfig().ucb] >= 0.96 and ratios[0.0] < 0.95
 
 
 def test_greedy_and_sampled_requests_are_judged_by_their_own_acceptance():
