@@ -248,6 +248,13 @@ def test_a_shape_must_beat_a_plain_step_by_the_margin_and_plain_steps_recur():
         assert drafted[1.3] < 0.1, (batch, drafted)  # only exploring steps draft
 
 
+def drafted_steps_dearer(tree: float = 0.0) -> Machine:
+    """The CPU table with a drafted step 30% of a plain step dearer than its tokens, and a step
+    of trees of several beams ``tree`` x a plain step more (the fixed parts the engines showed)."""
+    return Machine(lambda b, n: CPU.verify(b, n) + (0.3 * CPU.verify(b, b) if n > b else 0.0),
+                   CPU.draft, lambda b: tree * CPU.verify(b, b))
+
+
 def batch_1_rate(machine: Machine, seeds: int) -> float:
     """The policy's tokens/s at batch 1 after its first 300 steps (W <= 4, L <= 4, the drafter's
     acceptance prior), mean of ``seeds`` seeded runs of 1500 steps."""
@@ -263,8 +270,7 @@ def test_a_drafted_steps_fixed_part_is_not_taken_for_a_cost_per_token(monkeypatc
     best fixed shape at batch 1 (mean of 3 runs); priced by one line through plain and drafted
     steps (the control), the fixed part reads as a steep cost per token, longer shapes look
     dear, and the policy stays below 0.92x of it, mostly plain."""
-    machine = Machine(lambda b, n: CPU.verify(b, n) + (0.3 * CPU.verify(b, b) if n > b else 0.0),
-                      CPU.draft)
+    machine = drafted_steps_dearer()
     plain = plain_rate(machine, SHIPPED, 1)
     best = max(rate(run(s, machine, SHIPPED, 1, 300)) for s in ((1, 3), (2, 3), (4, 3), (4, 4)))
     ours = batch_1_rate(machine, seeds=3)
@@ -284,8 +290,7 @@ def test_a_trees_fixed_part_does_not_price_the_chains(monkeypatch):
     fixed shape (a chain) at batch 1 (mean of 4 runs; 1.005x). The control, one drafted line:
     each exploring tree step steepens its slope, the chains it then prices stop paying, and the
     policy stays below 0.96x of it (0.947x; 0.915x before shapes hoped to pay were drafted)."""
-    machine = Machine(lambda b, n: CPU.verify(b, n) + (0.3 * CPU.verify(b, b) if n > b else 0.0),
-                      CPU.draft, lambda b: 0.6 * CPU.verify(b, b))
+    machine = drafted_steps_dearer(tree=0.6)
     best = max(rate(run(s, machine, SHIPPED, 1, 300)) for s in ((1, 3), (1, 4), (2, 3), (4, 4)))
     ours = batch_1_rate(machine, seeds=4)
     monkeypatch.setattr(beam_policy, "side", lambda width, verified: (
@@ -330,10 +335,7 @@ def sampled_answers(policy: BeamPolicy | tuple[int, int], seed: int) -> list:
     shipped drafter's at each depth d times f**d, f = 0.95 x uniform(0.75, 1.15) per answer (the
     text changes): what the Xeon's step log showed at temperature 0.8 (W=1 L=2 1.35-1.60 tokens
     per step, drafted steps 108-112 ms against plain 90)."""
-    plain = CPU.verify(1, 1)
-    machine = Machine(lambda b, n: CPU.verify(b, n) + (0.3 * plain if n > b else 0.0), CPU.draft,
-                      lambda b: 0.3 * plain)
-    factors, log = random.Random(seed), []
+    machine, factors, log = drafted_steps_dearer(tree=0.3), random.Random(seed), []
     for answer in range(30):
         acceptance = SHIPPED.scaled(0.95 * factors.uniform(0.75, 1.15))
         log += run(policy, machine, acceptance, 1, 45, seed=1000 * seed + answer, kind="sampled",
