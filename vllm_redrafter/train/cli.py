@@ -33,7 +33,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--builtin", type=_builtin_counts, default=None,
                    help="the built-in dataset's prompts per source, e.g. templated=150,documents=90 "
                         "(sources: templated, text, self_instruct, documents, constrained, detailed, "
-                        "specific, written, written_2 ... written_8; and seed): one "
+                        "specific, written, written_2 ... written_9; and seed): one "
                         "built-in dataset, the recipe's first with these counts")
     p.add_argument("--output-dir", type=Path, required=True, help="where the drafter is written")
     p.add_argument("--overwrite", action="store_true", help="replace a drafter/run in --output-dir")

@@ -70,6 +70,7 @@ class BuiltinSpec:
     written_6: int = 0  # a sixth (written_prompts_6.jsonl)
     written_7: int = 0  # a seventh: other kinds of work than MT-Bench's (written_prompts_7.jsonl)
     written_8: int = 0  # an eighth: six of stock 7's kinds again (written_prompts_8.jsonl)
+    written_9: int = 0  # a ninth: translation, summarization, qa, rag (written_prompts_9.jsonl)
 
 
 @dataclass(frozen=True)

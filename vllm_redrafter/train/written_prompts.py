@@ -1,11 +1,12 @@
 """Written requests: stocks of user requests written one by one, not drawn from templates.
 
-Stock k is ``written_prompts.jsonl`` (k = 1) or ``written_prompts_{k}.jsonl`` (k = 2..8) beside
+Stock k is ``written_prompts.jsonl`` (k = 1) or ``written_prompts_{k}.jsonl`` (k = 2..9) beside
 this module, one ``{"kind": ..., "prompt": ...}`` per line: stocks 1-6 in MT-Bench's eight
 kinds of task, stock 7 in seven other kinds (translation, summarization, extraction, qa, math,
-code, rag), stock 8 in six of them (all but math). It is the built-in dataset's source ``written`` (k = 1) or ``written_{k}``. ``written_prompts(n,
-seed, stock=k)`` takes ``n`` of its requests, the kinds in turn, each kind's order shuffled by
-``seed``.
+code, rag), stock 8 in six of them (all but math), stock 9 in the four the drafter accepts
+least on (translation, summarization, qa, rag). It is the built-in dataset's source
+``written`` (k = 1) or ``written_{k}``. ``written_prompts(n, seed, stock=k)`` takes ``n`` of
+its requests, the kinds in turn, each kind's order shuffled by ``seed``.
 
 Invariants (``tests/test_train.py``): no request shares a six-word window with an MT-Bench
 question (case and spacing aside; one stock phrase excepted), and no two requests share more
@@ -25,7 +26,7 @@ from itertools import chain, zip_longest
 from pathlib import Path
 
 STOCK_FILES = {n: Path(__file__).with_name("written_prompts.jsonl" if n == 1
-                                            else f"written_prompts_{n}.jsonl") for n in range(1, 9)}
+                                            else f"written_prompts_{n}.jsonl") for n in range(1, 10)}
 
 
 def source_name(stock: int) -> str:
