@@ -87,7 +87,12 @@ def main() -> None:
     questions = [("mt_bench", q.first_turn) for q in read_questions(MT_BENCH)]
     questions += [(kind, q.first_turn) for kind in EVAL_SETS for q in read_eval_set(kind)]
     sets = ["mt_bench", *EVAL_SETS]
-    cells = []
+    cells: list[dict] = []
+    result = {"drafters": {k: str(v) for k, v in args.drafters.items()}, "machine": machine(),
+              "sets": sets, "prompts_per_set": {s: sum(1 for c, _ in questions if c == s)
+                                                for s in sets},
+              "max_new_tokens": args.max_new_tokens, "shapes": args.shapes, "cells": cells}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name, drafter in args.drafters.items():
         for width, length in args.shapes:
             start = time.time()
@@ -101,12 +106,7 @@ def main() -> None:
                 f"{s} {by_set[s]:.2f}" for s in sets)
                 + f"; other kinds mean {sum(others) / len(others):.3f} ({time.time() - start:.0f} s)",
                 flush=True)
-    result = {"drafters": {k: str(v) for k, v in args.drafters.items()}, "machine": machine(),
-              "sets": sets, "prompts_per_set": {s: sum(1 for c, _ in questions if c == s)
-                                                for s in sets},
-              "max_new_tokens": args.max_new_tokens, "shapes": args.shapes, "cells": cells}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out, result)
+            write_json(args.out, result)  # after every cell: a run stopped early keeps its figures
     plot(result, args.out.with_suffix(".png"))
     print(f"\ntokens per target forward (reference loop, greedy, {args.max_new_tokens} tokens) / "
           "share of response tokens inside the K head")
