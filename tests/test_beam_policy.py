@@ -183,6 +183,26 @@ def test_paired_gains_rate_a_wider_width_on_the_text_now_drafted():
     assert rates[False][1] == pytest.approx(0.9)  # stale: only W=4's own trees
 
 
+def test_a_wider_widths_gain_is_believed_as_its_trees_show_it():
+    """Chains accept 0.5 at each depth; then two exploring W=4 L=4 trees whose other beams took
+    two tokens more than the first (the Xeon's step log, 2026-12-08). With no prior (the
+    control) W=4 is rated 1.28 tokens per step above the chain on two trees; with
+    ``gain_prior`` 4, a third of the gain per depth (0.67), and trees that show none bring it
+    down to ~0."""
+    lucky = [VerifiedTree("greedy", 4, 4, 10, 2, 0, (0, 2, 2, 2))] * 2
+    gains = {}
+    for prior in (0.0, 4.0):
+        stats = AcceptanceStats([1, 2, 4], decay=0.98, ucb=0.0, gain_prior=prior)
+        stats.seed([0.5, 0.25, 0.125], 50.0)
+        for tree in lucky:
+            stats.observe([tree])
+        gains[prior] = stats.tokens_per_step(4, 4) - stats.tokens_per_step(1, 4)
+    assert gains[0.0] > 1.2 and 0.55 < gains[4.0] < 0.8
+    for _ in range(40):  # W=4 trees whose other beams add nothing
+        stats.observe([VerifiedTree("greedy", 4, 4, 10, 1, 0, (1, 1, 1, 1))])
+    assert stats.tokens_per_step(4, 4) - stats.tokens_per_step(1, 4) < 0.1
+
+
 def test_candidate_widths_and_buckets():
     assert candidate_widths(1) == [1]
     assert candidate_widths(12) == [1, 2, 4, 8, 12]

@@ -29,22 +29,24 @@ class AcceptanceStats:
     wider width W is rated by **paired gains**: that fresh rate plus what W beams accepted beyond
     the first one, per tree, on the trees at least W wide (counts that fade alike, so the gain
     keeps its value while W is not drafted; texts change the rates far more than the gain of a
-    wider tree). All counts fade with every step. Estimates are monotone: a wider beam never
+    wider tree). A gain starts from ``gain_prior`` trees' worth of no gain, fading with its
+    counts: a wider width is rated above its first beam only as its trees show it, not on the
+    luck of the first one or two. All counts fade with every step. Estimates are monotone: a wider beam never
     accepts less (rates pooled where they disagree, weighted by their counts), more depth never
     more. When exploring, a width little seen is rated up by an upper confidence bound, so it is
     tried again.
     """
 
     def __init__(self, widths: Sequence[int], decay: float = 0.99, ucb: float = 0.1,
-                 depth_prior: float = 1.0) -> None:
+                 depth_prior: float = 1.0, gain_prior: float = 0.0) -> None:
         self.widths, self.decay, self.ucb = list(widths), decay, ucb
-        self.depth_prior = depth_prior
+        self.depth_prior, self.gain_prior = depth_prior, gain_prior
         self.anchor = self.widths[0]  # the narrowest width: every tree that knows it counts there
         self.hits: dict[tuple[int, int], float] = {}  # (W, d) -> trees whose W beams took >= d
         self.trials: dict[tuple[int, int], float] = {}  # (W, d) -> trees of width >= W, length > d
         self.reach: dict[tuple[int, int], float] = {}  # (W, d) -> those trials that took >= d - 1
         self.paired: dict[tuple[int, int], list[float]] = {}  # (W, d) -> [hits of W, hits of
-        # the anchor, trees] on the trees that know both
+        # the anchor, trees] on the trees that know both, trees starting at gain_prior
         self.packed_sum: dict[tuple[int, int], float] = {}  # (W, L) -> their nodes
         self.packed_n: dict[tuple[int, int], float] = {}  # (W, L) -> trees
         self.total = 0.0
@@ -77,7 +79,7 @@ class AcceptanceStats:
                     self.hits[(w, d)] = self.hits.get((w, d), 0.0) + (accepted >= d)
                     self.reach[(w, d)] = self.reach.get((w, d), 0.0) + (accepted >= d - 1)
                     if w != self.anchor and self.anchor in known:
-                        pair = self.paired.setdefault((w, d), [0.0, 0.0, 0.0])
+                        pair = self.paired.setdefault((w, d), [0.0, 0.0, self.gain_prior])
                         pair[0] += accepted >= d
                         pair[1] += known[self.anchor] >= d
                         pair[2] += 1

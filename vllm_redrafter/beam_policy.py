@@ -99,6 +99,13 @@ class PolicyConfig:
     (:class:`AcceptanceStats`). Without it (the EPYC, 2026-11-29, batch 1, step log) one W=1 L=3
     tree that accepted nothing rated depth 2 at 0, and the policy drafted L=2 for ~100 steps
     before an exploring step tried L=3 again. 1: the first trees that reach a depth decide it."""
+    gain_prior: float = 4.0
+    """Trees' worth of no gain a wider width's paired gain over its first beam starts from
+    (:class:`AcceptanceStats`), fading with its trees. Without it (the Xeon, 2026-12-08, batch
+    1, greedy, step log) the first two exploring W=4 L=4 trees, whose other beams took two
+    tokens more than the first, rated W=2 and W=4 at ~2.7 tokens per step: the policy drafted
+    trees for the next ~10 steps, which realized 1.0-1.2x plain where the chain gave 1.5x, and
+    again after each lucky exploring tree. 4: such a pair of trees counts a third of its gain."""
     acceptance_prior_weight: float = 4.0
     """Trees' worth of weight the drafter's own held-out chain acceptance (its ``eval.json``)
     has in the greedy counts before any tree is verified (:meth:`AcceptanceStats.seed`), fading
@@ -399,7 +406,7 @@ class BeamPolicy:
         self.config, self.prior = config, prior
         self.widths = candidate_widths(max_width)
         self.acceptance = {k: AcceptanceStats(self.widths, config.acceptance_decay, config.ucb,
-                                              config.depth_prior)
+                                              config.depth_prior, config.gain_prior)
                            for k in KINDS}
         if acceptance_prior:  # a greedy measure: sampled requests accept less, they start unseeded
             self.acceptance["greedy"].seed(acceptance_prior, config.acceptance_prior_weight)
