@@ -198,6 +198,7 @@ def test_a_wider_widths_gain_is_believed_as_its_trees_show_it():
             stats.observe([tree])
         gains[prior] = stats.tokens_per_step(4, 4) - stats.tokens_per_step(1, 4)
     assert gains[0.0] > 1.2 and 0.55 < gains[4.0] < 0.8
+    assert all(s.gain_prior == 4.0 for s in beam_policy.BeamPolicy(4, 4).acceptance.values())
     for _ in range(40):  # W=4 trees whose other beams add nothing
         stats.observe([VerifiedTree("greedy", 4, 4, 10, 1, 0, (1, 1, 1, 1))])
     assert stats.tokens_per_step(4, 4) - stats.tokens_per_step(1, 4) < 0.1
