@@ -31,10 +31,10 @@ class AcceptanceStats:
     keeps its value while W is not drafted; texts change the rates far more than the gain of a
     wider tree). A gain starts from ``gain_prior`` trees' worth of no gain, fading with its
     counts: a wider width is rated above its first beam only as its trees show it, not on the
-    luck of the first one or two. All counts fade with every step. Estimates are monotone: a wider beam never
-    accepts less (rates pooled where they disagree, weighted by their counts), more depth never
-    more. When exploring, a width little seen is rated up by an upper confidence bound, so it is
-    tried again.
+    luck of the first one or two. All counts fade with every step. Estimates are monotone: a
+    wider beam never accepts less (rates pooled where they disagree, weighted by their counts),
+    more depth never more. When exploring, a width little seen is rated up by an upper
+    confidence bound, so it is tried again.
     """
 
     def __init__(self, widths: Sequence[int], decay: float = 0.99, ucb: float = 0.1,
