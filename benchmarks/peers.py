@@ -52,8 +52,9 @@ repeat's end. Rows per set: every arm's figures without and with the hog (the be
 from a cold start in the first pass and must adapt in the second).
 
 Serving (``--serving``): ``benchmarks/qps_sweep.py``'s servers and ``vllm bench serve``, one
-server per arm, side by side. In each repeat the servers start anew (``qps_sweep.start_order``)
-and are warmed up with training requests. Then per set and concurrency (``--concurrency``), every
+server per arm, side by side. In each repeat the servers start anew (``qps_sweep.start_order``),
+each with an empty cache of its own (no step-cost curve: cold, as after ``pip install``), and
+are warmed up with training requests. Then per set and concurrency (``--concurrency``), every
 server gets the set's questions, ``--prompts-per-level`` x C of them, at most the set's size.
 The server order rotates per load and reverses per repeat. Per set and load: output throughput
 and median TPOT of each arm over vLLM alone, tokens per step, and outputs identical to vLLM
