@@ -523,16 +523,6 @@ def serving_row(set_name: str, label: str, runs: dict[str, list[dict]], deltas: 
     return row
 
 
-def cold_caches(names: list[str], work: Path, k: int) -> dict[str, dict[str, str]]:
-    """Per server of repeat ``k``: a cache directory of its own, empty (no step-cost curve:
-    the beam policy starts from nothing, as after ``pip install``)."""
-    envs = {}
-    for name in names:
-        (cache := work / f"cache_{name}_{k}").mkdir()
-        envs[name] = {qps.CACHE: str(cache)}
-    return envs
-
-
 def serving_sweep(specs: dict, target: str, sets: dict[str, list[str]], args, work: Path,
                   on_repeat=None) -> dict:
     """Every arm's server side by side; per repeat, per set and load, ``vllm bench serve``."""
@@ -546,8 +536,8 @@ def serving_sweep(specs: dict, target: str, sets: dict[str, list[str]], args, wo
     runs = {s: {lv["label"]: {n: [] for n in names} for lv in levels[s]} for s in sets}
     deltas = {s: {lv["label"]: {} for lv in levels[s]} for s in sets}
     for k in range(args.repeats):
-        order = qps.start_order(names, k)
-        with qps.serving(order, target, specs, work, cold_caches(names, work, k)):
+        cold = {name: {qps.CACHE: qps.empty_cache(work, name, k)} for name in names}
+        with qps.serving(qps.start_order(names, k), target, specs, work, cold):
             for name in names:
                 qps.bench(name, target, warmup, {"label": "warmup", "concurrency": 2,
                                                  "num_prompts": args.warmup_prompts}, args, work)

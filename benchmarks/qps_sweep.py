@@ -137,6 +137,14 @@ def drafted_fraction(delta: dict[str, float]) -> float | None:
     return delta["vllm:spec_decode_num_drafts_total"] / steps if steps > 0 else None
 
 
+def empty_cache(work: Path, name: str, repeat: int) -> str:
+    """A new, empty cache directory for server ``name`` in ``repeat`` (VLLM_REDRAFTER_CACHE): no
+    step-cost curve, so the beam policy starts from nothing, as after ``pip install``."""
+    cache = work / f"cache_{name}_{repeat}"
+    cache.mkdir()
+    return str(cache)
+
+
 def start_order(names: list[str], repeat: int) -> list[str]:
     """The servers' start order in one repeat: rotated by one every second repeat, reversed
     every other repeat.
@@ -317,9 +325,7 @@ class Sweep:
         envs: dict[str, dict[str, str]] = {arm: {} for arm in ARMS}
         for arm in ARMS:
             if self.args.cold:
-                cache = self.work / f"cache_{arm}_{k}"
-                cache.mkdir()
-                envs[arm][CACHE] = str(cache)
+                envs[arm][CACHE] = empty_cache(self.work, arm, k)
             if self.args.step_log is not None:
                 self.args.step_log.mkdir(parents=True, exist_ok=True)
                 envs[arm][STEP_LOG] = str(self.args.step_log / f"{arm}_{k}.jsonl")
